@@ -290,6 +290,7 @@ if __name__ == "__main__":
         evaluate_checkpoint(args)
     else:
         os.environ["MASTER_ADDR"] = "127.0.0.1"  # where rank 0 listens: every process is on this machine
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # under torchrun: host our own store, not torchrun's
         with socket.socket() as sock:  # a free port from the OS; a fixed one (12355) clashes with other runs
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])

@@ -1,0 +1,27 @@
+import pytest
+from helpers import PYTHON, TINY, read_metrics, run_ok, torchrun
+
+# Each script's documented command (the README's ladder table), which the tests run with TINY settings.
+DOCUMENTED = {
+    "00_single_gpu.py": [PYTHON, "00_single_gpu.py"],
+    "01_mp_spawn.py": [PYTHON, "01_mp_spawn.py", "--nproc", "2"],
+    "02_torchrun.py": torchrun(2, "02_torchrun.py"),
+}
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """trained(script) runs that script's documented command once per session, with a checkpoint and a
+    metrics file, and returns (output, metrics, checkpoint path); several claims are checked on one run."""
+    runs = {}
+
+    def train(script):
+        if script not in runs:
+            folder = tmp_path_factory.mktemp(script.removesuffix(".py"))
+            command = [*DOCUMENTED[script], *TINY, "--metrics", folder / "metrics.jsonl",
+                       "--checkpoint", folder / "checkpoint.pt"]
+            output = run_ok(command).stdout
+            runs[script] = output, read_metrics(folder / "metrics.jsonl"), folder / "checkpoint.pt"
+        return runs[script]
+
+    return train

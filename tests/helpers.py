@@ -1,0 +1,125 @@
+"""What the tests share: paths, the numbered scripts as modules, and subprocesses that cannot hang."""
+import contextlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the real launcher, from the same environment
+SCRIPTS = sorted(path.name for path in REPO.glob("[0-9][0-9]_*.py"))
+
+# Small enough to finish in seconds on 2 cores, big enough that accuracy clearly beats chance (10 %).
+# 501 validation samples: an odd number, so the shards of 2 processes differ in size.
+TINY = ["--train-samples", "2048", "--val-samples", "501", "--epochs", "2", "--batch-size", "32"]
+
+# Launcher variables that must not leak from a test runner that was itself started by torchrun or Slurm.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@cache
+def load_script(name):
+    """A numbered script as a module (its `if __name__ == "__main__"` part does not run)."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, REPO / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def clean_env(**extra):
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    env.update({key: str(value) for key, value in extra.items()})
+    return env
+
+
+def run(command, timeout=180, env=None, cwd=REPO):
+    """Runs a command to its end or kills its whole process group at `timeout`: a hang fails the test
+    with the output so far, and leaves no process behind."""
+    process = subprocess.Popen([str(part) for part in command], cwd=cwd, env=env or clean_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(process.pid)
+        output, _ = process.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {command}\n{output[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+
+def kill_tree(pid):
+    """SIGKILL to a process and all its descendants: torchrun puts its workers in sessions of their own."""
+    parent = psutil.Process(pid)
+    for process in [*parent.children(recursive=True), parent]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
+def run_ok(command, timeout=180, env=None):
+    result = run(command, timeout, env)
+    assert result.returncode == 0, f"exit {result.returncode}: {command}\n{result.stdout[-3000:]}"
+    return result
+
+
+def torchrun(nproc, script, *args):
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_group(worker, world_size, *args, timeout=120):
+    """Runs `worker(rank, world_size, *args)` in `world_size` fresh processes that form a real gloo group
+    (see group_worker), and returns what each rank returned, in rank order."""
+    import torch
+    import torch.multiprocessing as mp
+
+    port, results_dir = free_port(), Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp-steps-group-{os.getpid()}"
+    results_dir.mkdir(exist_ok=True)
+    context = mp.start_processes(group_worker, args=(world_size, port, str(results_dir), worker, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"process group did not finish within {timeout} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    results = [torch.load(results_dir / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
+    for rank in range(world_size):
+        (results_dir / f"{rank}.pt").unlink()
+    results_dir.rmdir()
+    return results
+
+
+def group_worker(rank, world_size, port, results_dir, worker, args):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        result = worker(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(results_dir) / f"{rank}.pt")
