@@ -133,7 +133,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
     """One pass over `loader`; returns (mean training loss, samples seen)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
-    start = last_report = time.perf_counter()
+    last_report = time.perf_counter()
     for step, (images, labels) in enumerate(loader):
         # pinned memory + non_blocking lets the copy to the GPU overlap with compute (a no-op on CPU)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -148,8 +148,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
         totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if time.perf_counter() - last_report > 10:  # progress during long epochs
             last_report = time.perf_counter()
-            log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}  "
-                f"{totals[1].item() / (last_report - start):.0f} samples/s")
+            log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
     loss_sum, samples = totals.tolist()
     return loss_sum / samples, int(samples)
 

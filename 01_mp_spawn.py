@@ -144,7 +144,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
     """One pass over `loader`; returns (mean training loss, samples seen)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
-    start = last_report = time.perf_counter()
+    last_report = time.perf_counter()
     for step, (images, labels) in enumerate(loader):
         # pinned memory + non_blocking lets the copy to the GPU overlap with compute (a no-op on CPU)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -160,8 +160,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
         totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if time.perf_counter() - last_report > 10:  # progress during long epochs
             last_report = time.perf_counter()
-            log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}  "
-                f"{totals[1].item() / (last_report - start):.0f} samples/s")
+            log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
     dist.all_reduce(totals)  # sum over all processes: the loss and throughput of the whole job
     loss_sum, samples = totals.tolist()
     return loss_sum / samples, int(samples)
@@ -240,9 +239,8 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
 
     model = build_model(args.model, num_classes).to(device)
-    # DDP copies rank 0's weights and buffers to every process now, and averages gradients in backward().
-    # BatchNorm buffers (running stats) are copied from rank 0 at every forward; each process normalizes with
-    # its own batch. If per-process batches are tiny, nn.SyncBatchNorm.convert_sync_batchnorm(model) first.
+    # DDP copies rank 0's weights and buffers to all processes now, and averages gradients in backward(). BatchNorm
+    # normalizes per process; rank 0's running stats are copied to all at every forward (tiny batches: SyncBatchNorm)
     model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)  # device_ids: GPU only
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:

@@ -1,0 +1,60 @@
+"""The repository keeps its own promises: diffs that are one lesson each and never stale, standalone
+scripts with the same flags, ruff-clean code, and a README whose commands are the ones the tests run."""
+import ast
+import subprocess
+import sys
+
+import pytest
+from conftest import DOCUMENTED
+from helpers import PYTHON, REPO, SCRIPTS
+
+sys.path.insert(0, str(REPO / "tools"))
+import make_diffs  # noqa: E402
+
+
+def test_rendered_diffs_are_up_to_date_and_each_step_within_its_budget():
+    result = subprocess.run([PYTHON, "tools/make_diffs.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("previous, script", make_diffs.steps())
+def test_step_budget_holds(previous, script):
+    assert make_diffs.added_lines(make_diffs.render(previous, script)) <= make_diffs.BUDGET[script]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_are_standalone(script):
+    """A numbered script imports nothing from the project: each one is read, copied and run on its own."""
+    tree = ast.parse((REPO / script).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    local = {path.stem for path in REPO.glob("*.py")} | {path.name for path in REPO.iterdir() if path.is_dir()}
+    assert not imported & local
+
+
+def flags(script):
+    source = (REPO / script).read_text()
+    return {node.args[0].value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "add_argument"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_every_script_keeps_the_flags_of_the_one_before(script):
+    previous = SCRIPTS[SCRIPTS.index(script) - 1]
+    assert flags(previous) - flags(script) <= {"--nproc"}, "01's --nproc goes when torchrun takes over"
+
+
+def test_ruff_is_clean():
+    result = subprocess.run([PYTHON, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_readme_shows_the_commands_the_tests_run():
+    readme = (REPO / "README.md").read_text()
+    for command in DOCUMENTED.values():
+        shown = " ".join(["python" if part == PYTHON else "torchrun" if part.endswith("torchrun") else str(part)
+                          for part in command])
+        assert shown in readme, f"README does not show: {shown}"
+    for target in ("make demo", "make test"):
+        assert target in readme
