@@ -58,6 +58,8 @@ def parse_args(argv=None):
         parser.error(f"--num-workers must be 0 or more, got {args.num_workers}")
     if args.data not in ("synthetic", "cifar10") and not os.path.isdir(os.path.join(args.data, "train")):
         parser.error(f"--data {args.data}: not 'synthetic' or 'cifar10', and {args.data}/train is not a directory")
+    if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
+        parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
     if args.evaluate and not os.path.isfile(args.evaluate):
         parser.error(f"--evaluate {args.evaluate}: no such file")
     if args.device == "cuda" and not torch.cuda.is_available():

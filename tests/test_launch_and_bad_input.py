@@ -10,6 +10,8 @@ CASES = {
     "zero batch size": ([PYTHON, "00_single_gpu.py", "--batch-size", "0"], "--batch-size must be at least 1"),
     "negative epochs": ([PYTHON, "01_mp_spawn.py", "--epochs", "-1"], "--epochs must be at least 1"),
     "missing data path": ([PYTHON, "02_torchrun.py", "--data", "/no/such/dir"], "/no/such/dir/train is not a dir"),
+    "cifar10 not downloaded": ([PYTHON, "01_mp_spawn.py", "--data", "cifar10", "--data-dir", "/nonexistent"],
+                               "--data cifar10: not found in /nonexistent/; add --download"),
     "missing checkpoint": ([PYTHON, "00_single_gpu.py", "--evaluate", "nope.pt"], "--evaluate nope.pt: no such file"),
     "zero processes": ([PYTHON, "01_mp_spawn.py", "--nproc", "0"], "--nproc 0: need at least 1 process"),
     "02 without torchrun": ([PYTHON, "02_torchrun.py"], "must be started by torchrun: torchrun --standalone"),
