@@ -249,8 +249,8 @@ def main(args):
 if __name__ == "__main__":
     args = parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by `torchrun --nproc_per_node=N`, N > 1
-        sys.exit(f"{sys.argv[0]} trains on one device: under torchrun with {os.environ['WORLD_SIZE']} processes it "
-                 "would train that many separate copies. Use --nproc_per_node=1, or 02_torchrun.py.")
+        sys.exit(f"{sys.argv[0]} does not use torchrun's processes: with {os.environ['WORLD_SIZE']} of them it would "
+                 "run that many separate jobs. Use torchrun --nproc_per_node=1, or 02_torchrun.py.")
     if args.evaluate:
         evaluate_checkpoint(args)
     else:

@@ -231,7 +231,11 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=5))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # faster fp32 on Ampere+
+    if rank != 0:  # one process prepares the data (e.g. --download), the others wait, then read what it wrote
+        dist.barrier()
     train_set, val_set, num_classes = build_datasets(args)
+    if rank == 0:
+        dist.barrier()
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                           pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0)
     # each process draws a disjoint 1/world_size of the shuffled data (equal shards, so equal step counts)
@@ -284,8 +288,8 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
 if __name__ == "__main__":
     args = parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by `torchrun --nproc_per_node=N`, N > 1
-        sys.exit(f"{sys.argv[0]} starts its own processes: under torchrun with {os.environ['WORLD_SIZE']} processes "
-                 "it would start that many jobs. Use --nproc_per_node=1, or 02_torchrun.py.")
+        sys.exit(f"{sys.argv[0]} does not use torchrun's processes: with {os.environ['WORLD_SIZE']} of them it would "
+                 "run that many separate jobs. Use torchrun --nproc_per_node=1, or 02_torchrun.py.")
     if args.evaluate:
         evaluate_checkpoint(args)
     else:

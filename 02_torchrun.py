@@ -227,7 +227,11 @@ def main(args):
     # rank, world size and where to meet (MASTER_ADDR:MASTER_PORT) come from torchrun's environment variables
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # faster fp32 on Ampere+
+    if rank != 0:  # one process prepares the data (e.g. --download), the others wait, then read what it wrote
+        dist.barrier()
     train_set, val_set, num_classes = build_datasets(args)
+    if rank == 0:
+        dist.barrier()
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                           pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0)
     # each process draws a disjoint 1/world_size of the shuffled data (equal shards, so equal step counts)

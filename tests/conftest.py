@@ -1,3 +1,5 @@
+import os
+
 import pytest
 from helpers import PYTHON, TINY, read_metrics, run_ok, torchrun
 
@@ -25,3 +27,16 @@ def trained(tmp_path_factory):
         return runs[script]
 
     return train
+
+
+# In CI these must run: a skip there (no root, no Slurm) would turn a missing capability into a green run.
+REQUIRED_IN_CI = {"multihost", "slurm"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") and report.skipped and REQUIRED_IN_CI & {mark.name for mark in item.iter_markers()}:
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where this test must run: {report.longrepr}"

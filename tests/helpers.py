@@ -41,24 +41,36 @@ def clean_env(**extra):
     return env
 
 
-def run(command, timeout=180, env=None, cwd=REPO):
-    """Runs a command to its end or kills its whole process group at `timeout`: a hang fails the test
-    with the output so far, and leaves no process behind."""
-    process = subprocess.Popen([str(part) for part in command], cwd=cwd, env=env or clean_env(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+def start(command, env=None, cwd=REPO):
+    """Starts a command in a session of its own, output (stdout and stderr together) captured as text."""
+    return subprocess.Popen([str(part) for part in command], cwd=cwd, env=env or clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(process, timeout=180):
+    """Waits for a started command, or kills it and everything it started at `timeout`: a hang fails the
+    test with the output so far, and leaves no process behind."""
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(process.pid)
         output, _ = process.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {command}\n{output[-3000:]}") from None
-    return subprocess.CompletedProcess(command, process.returncode, output, None)
+        raise AssertionError(f"timed out after {timeout} s: {process.args}\n{output[-3000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, output, None)
+
+
+def run(command, timeout=180, env=None, cwd=REPO):
+    return finish(start(command, env, cwd), timeout)
 
 
 def kill_tree(pid):
     """SIGKILL to a process and all its descendants: torchrun puts its workers in sessions of their own."""
-    parent = psutil.Process(pid)
-    for process in [*parent.children(recursive=True), parent]:
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
 
@@ -83,7 +95,7 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def run_group(worker, world_size, *args, timeout=120):
+def run_group(worker, world_size, *args, timeout=120, collective_timeout=60):
     """Runs `worker(rank, world_size, *args)` in `world_size` fresh processes that form a real gloo group
     (see group_worker), and returns what each rank returned, in rank order."""
     import torch
@@ -91,8 +103,8 @@ def run_group(worker, world_size, *args, timeout=120):
 
     port, results_dir = free_port(), Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp-steps-group-{os.getpid()}"
     results_dir.mkdir(exist_ok=True)
-    context = mp.start_processes(group_worker, args=(world_size, port, str(results_dir), worker, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    context = mp.start_processes(group_worker, nprocs=world_size, join=False, start_method="spawn",
+                                 args=(world_size, port, str(results_dir), worker, args, collective_timeout))
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -109,7 +121,7 @@ def run_group(worker, world_size, *args, timeout=120):
     return results
 
 
-def group_worker(rank, world_size, port, results_dir, worker, args):
+def group_worker(rank, world_size, port, results_dir, worker, args, collective_timeout):
     from datetime import timedelta
 
     import torch
@@ -117,7 +129,7 @@ def group_worker(rank, world_size, port, results_dir, worker, args):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=collective_timeout))
     try:
         result = worker(rank, world_size, *args)
     finally:

@@ -15,8 +15,9 @@ CASES = {
     "missing checkpoint": ([PYTHON, "00_single_gpu.py", "--evaluate", "nope.pt"], "--evaluate nope.pt: no such file"),
     "zero processes": ([PYTHON, "01_mp_spawn.py", "--nproc", "0"], "--nproc 0: need at least 1 process"),
     "02 without torchrun": ([PYTHON, "02_torchrun.py"], "must be started by torchrun: torchrun --standalone"),
-    "00 under torchrun x2": (torchrun(2, "00_single_gpu.py"), "trains on one device: under torchrun with 2"),
-    "01 under torchrun x2": (torchrun(2, "01_mp_spawn.py"), "starts its own processes: under torchrun with 2"),
+    "03 without torchrun": ([PYTHON, "03_multinode.py"], "started by torchrun on every node: torchrun --nnodes"),
+    "00 under torchrun x2": (torchrun(2, "00_single_gpu.py"), "does not use torchrun's processes: with 2 of them"),
+    "01 under torchrun x2": (torchrun(2, "01_mp_spawn.py"), "does not use torchrun's processes: with 2 of them"),
 }
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 from conftest import DOCUMENTED
 from helpers import PYTHON, REPO, SCRIPTS
+from test_multinode import node_command
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_diffs  # noqa: E402
@@ -56,5 +57,7 @@ def test_readme_shows_the_commands_the_tests_run():
         shown = " ".join(["python" if part == PYTHON else "torchrun" if part.endswith("torchrun") else str(part)
                           for part in command])
         assert shown in readme, f"README does not show: {shown}"
+    practice = node_command("127.0.0.1:29500", "job1")
+    assert " ".join(["torchrun", *practice[1:]]) in readme, "README's one-machine multi-node command"
     for target in ("make demo", "make test"):
         assert target in readme

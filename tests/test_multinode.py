@@ -1,0 +1,137 @@
+"""03_multinode.py across two nodes: two torchrun agents meeting through c10d rendezvous, first over
+loopback, then as two separate hosts (network namespaces joined by a veth pair, each with its own hostname).
+Only global rank 0 writes the checkpoint, node-local work runs once per node, every rank ends with the same
+parameters, and a node that never comes makes the other fail in bounded time instead of hanging."""
+import contextlib
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TORCHRUN, finish, free_port, start
+
+pytestmark = pytest.mark.multihost
+
+SCRIPT = "03_multinode.py"
+TRAIN = ["--train-samples", "1024", "--val-samples", "101", "--epochs", "1"]
+
+
+def node_command(endpoint, rdzv_id, *script_args, nnodes=2, join_timeout=60):
+    """The README's multi-node command, with 1 process per node (2 cores for 2 nodes here)."""
+    return [TORCHRUN, f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id}", f"--rdzv_conf=join_timeout={join_timeout}",
+            SCRIPT, *script_args]
+
+
+def identities(output):
+    """{rank: (hostname, node, local rank)} from the start-up lines every process prints."""
+    return {int(rank): (host, node, int(local)) for host, node, local, rank in
+            re.findall(r"^\[(\S+)\] node (\S+), local rank (\d+): rank (\d+) of 2$", output, re.M)}
+
+
+def check_two_node_run(outputs, checkpoints, hostnames=None):
+    """The assertions both two-node tests make, on each node's output and each node's --checkpoint path."""
+    ranks = [identities(output) for output in outputs]
+    assert sorted(rank for node in ranks for rank in node) == [0, 1], "one rank on each node"
+    for node, output in zip(ranks, outputs, strict=True):
+        assert output.count("local rank 0 prepared the data for this node") == 1, "node-local work once per node"
+        if hostnames:
+            (host, _, _), = node.values()
+            assert f"[{host}] local rank 0 prepared" in output
+    if hostnames:
+        assert sorted(host for node in ranks for host, _, _ in node.values()) == sorted(hostnames)
+    checksums = set(re.findall(r"rank \d done: parameter checksum (\S+)", "".join(outputs)))
+    assert len(checksums) == 1, f"both ranks must end with the same parameters: {checksums}"
+    # Each node was given its own --checkpoint path: only the node holding global rank 0 may have written.
+    writer = next(index for index, node in enumerate(ranks) if 0 in node)
+    assert [path.exists() for path in checkpoints] == [index == writer for index in range(len(checkpoints))]
+
+
+def test_two_nodes_over_loopback(tmp_path):
+    endpoint, checkpoints = f"127.0.0.1:{free_port()}", [tmp_path / "nodeA.pt", tmp_path / "nodeB.pt"]
+    agents = [start(node_command(endpoint, "loopback", *TRAIN, "--checkpoint", path)) for path in checkpoints]
+    results = [finish(agent, timeout=240) for agent in agents]
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+    check_two_node_run([result.stdout for result in results], checkpoints)
+
+
+def test_a_missing_node_fails_in_bounded_time_with_a_clear_message():
+    """Only one of two nodes starts: the agent gives up after join_timeout (20 s here) with a rendezvous
+    timeout error, instead of waiting forever."""
+    began = time.monotonic()
+    result = finish(start(node_command(f"127.0.0.1:{free_port()}", "lonely", *TRAIN, join_timeout=20)), timeout=120)
+    elapsed = time.monotonic() - began
+    assert result.returncode != 0
+    assert "RendezvousTimeoutError" in result.stdout
+    assert elapsed < 90, f"took {elapsed:.0f} s"
+
+
+# --- two separate hosts -------------------------------------------------------------------------------------
+
+HOSTS = {"nodeA": "10.200.0.1", "nodeB": "10.200.0.2"}  # addresses that exist only inside the namespaces
+
+
+def in_host(name, command):
+    """`command` on host `name`: inside its network namespace, in a UTS namespace with its own hostname."""
+    return ["ip", "netns", "exec", f"ddp-{name}", "unshare", "--uts", "sh", "-c",
+            f'hostname {name} && exec "$@"', "sh", *map(str, command)]
+
+
+def sh(*command):
+    subprocess.run(command, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two hosts, nodeA and nodeB, joined by a veth pair, each resolving the other's name through the hosts
+    file that `ip netns exec` puts over /etc/hosts. Everything made here is removed again, even on failure."""
+    missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (iproute2, util-linux)")
+    try:
+        sh("ip", "netns", "add", "ddp-probe")
+        sh("ip", "netns", "del", "ddp-probe")
+    except (subprocess.CalledProcessError, PermissionError) as error:
+        pytest.skip(f"cannot create network namespaces (needs root): {error}")
+    made = []
+    try:
+        for name in HOSTS:
+            sh("ip", "netns", "add", f"ddp-{name}")
+            made.append(name)
+            hosts = Path(f"/etc/netns/ddp-{name}/hosts")
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in HOSTS.items()))
+            sh("ip", "netns", "exec", f"ddp-{name}", "ip", "link", "set", "lo", "up")
+        sh("ip", "link", "add", "veth-nodeA", "netns", "ddp-nodeA", "type", "veth", "peer", "name", "veth-nodeB",
+           "netns", "ddp-nodeB")
+        for name, address in HOSTS.items():
+            sh("ip", "netns", "exec", f"ddp-{name}", "ip", "addr", "add", f"{address}/24", "dev", f"veth-{name}")
+            sh("ip", "netns", "exec", f"ddp-{name}", "ip", "link", "set", f"veth-{name}", "up")
+        yield list(HOSTS)
+    finally:
+        for name in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", f"ddp-{name}"], capture_output=True, timeout=30)
+            shutil.rmtree(f"/etc/netns/ddp-{name}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only if empty: it may hold other namespaces' files
+
+
+def bytes_sent(name):
+    command = ["ip", "netns", "exec", f"ddp-{name}", "cat", f"/sys/class/net/veth-{name}/statistics/tx_bytes"]
+    return int(subprocess.run(command, check=True, capture_output=True, text=True, timeout=30).stdout)
+
+
+def test_two_separate_hosts(two_hosts, tmp_path):
+    checkpoints = [tmp_path / f"{name}.pt" for name in two_hosts]
+    before = {name: bytes_sent(name) for name in two_hosts}
+    agents = [start(in_host(name, node_command("nodeA:29400", "hosts", *TRAIN, "--checkpoint", path)))
+              for name, path in zip(two_hosts, checkpoints, strict=True)]
+    results = [finish(agent, timeout=240) for agent in agents]
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+    check_two_node_run([result.stdout for result in results], checkpoints, hostnames=two_hosts)
+    for name in two_hosts:  # gradients crossed the link: ~0.4 MB of parameters all-reduced every step
+        assert bytes_sent(name) - before[name] > 1_000_000, f"{name} sent too little over the veth pair"
