@@ -152,7 +152,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
             last_report = time.perf_counter()
             log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
     loss_sum, samples = totals.tolist()
-    return loss_sum / samples, int(samples)
+    return loss_sum / max(samples, 1), int(samples)
 
 
 @torch.no_grad()

@@ -161,7 +161,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
             log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
     dist.all_reduce(totals)  # sum over all processes: the loss and throughput of the whole job
     loss_sum, samples = totals.tolist()
-    return loss_sum / samples, int(samples)
+    return loss_sum / max(samples, 1), int(samples)
 
 
 @torch.no_grad()

@@ -41,10 +41,12 @@ def clean_env(**extra):
     return env
 
 
-def start(command, env=None, cwd=REPO):
-    """Starts a command in a session of its own, output (stdout and stderr together) captured as text."""
+def start(command, env=None, cwd=REPO, output=subprocess.PIPE):
+    """Starts a command in a session of its own, output (stdout and stderr together) captured as text, or
+    written to the open file `output` (for long runs: nobody reads a pipe while they run, and a full pipe
+    would block them)."""
     return subprocess.Popen([str(part) for part in command], cwd=cwd, env=env or clean_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish(process, timeout=180):

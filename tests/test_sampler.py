@@ -6,7 +6,7 @@ import pytest
 from helpers import REPO, SCRIPTS
 from torch.utils.data.distributed import DistributedSampler
 
-DISTRIBUTED_SCRIPTS = [name for name in SCRIPTS if not name.startswith("00")]
+SAMPLER_SCRIPTS = [name for name in SCRIPTS if "DistributedSampler(" in (REPO / name).read_text()]
 
 
 def shards(size, world_size, epoch=None, drop_last=True):
@@ -49,8 +49,12 @@ def test_every_rank_shuffles_the_same_permutation():
     assert set(parts[0]).isdisjoint(parts[1])
 
 
-@pytest.mark.parametrize("script", DISTRIBUTED_SCRIPTS)
-def test_every_distributed_script_calls_set_epoch_in_its_epoch_loop(script):
+@pytest.mark.parametrize("script", SAMPLER_SCRIPTS)
+def test_every_script_with_a_distributed_sampler_calls_set_epoch_in_its_epoch_loop(script):
     source = (REPO / script).read_text()
     loop = re.search(r"for epoch in range\(.*?\n(.*?)\n", source, re.S)
     assert "train_sampler.set_epoch(epoch)" in loop.group(1)
+
+
+def test_scripts_01_to_03_use_the_distributed_sampler():
+    assert SAMPLER_SCRIPTS == ["01_mp_spawn.py", "02_torchrun.py", "03_multinode.py"]

@@ -1,0 +1,398 @@
+"""Step 04: the same multi-node training, made to survive a dead worker or a preempted job without losing work.
+
+Every --save-every-steps optimizer steps (and at every epoch end) global rank 0 writes a complete snapshot: model,
+optimizer, LR schedule, GradScaler, RNG states and how far into the epoch's data the job is. A restarted job
+loads it and continues exactly where it left off, mid-epoch included: no epoch is re-run, no sample skipped.
+torchrun restarts the workers when one dies; SIGTERM or SIGUSR1 (what a scheduler sends before it kills a job)
+makes every rank stop at the next step, after a snapshot. The tutorial this follows saved only model + epoch,
+so every resume re-ran the epoch it died in.
+
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+      04_fault_tolerant.py --checkpoint snapshot.pt
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=2 --max-restarts=3 \
+      --rdzv_backend=c10d --rdzv_endpoint=nodeA:29500 --rdzv_id=job1 --rdzv_conf=join_timeout=60 \
+      04_fault_tolerant.py --checkpoint snapshot.pt       # elastic: 1 or 2 nodes, on every node
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision import transforms
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="%(prog)s [options] (see --help)",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
+    parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate (SGD, cosine decay)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and the synthetic data")
+    parser.add_argument("--data", default="synthetic", help="'synthetic' (built in), 'cifar10', or an ImageFolder "
+                        "directory holding train/ and val/")
+    parser.add_argument("--data-dir", default="data", help="where cifar10 is (or is downloaded to)")
+    parser.add_argument("--download", action="store_true", help="download cifar10 if it is missing")
+    parser.add_argument("--train-samples", type=int, default=None, help="use only this many training samples")
+    parser.add_argument("--val-samples", type=int, default=None, help="use only this many validation samples")
+    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU) or a torchvision model name, "
+                        "e.g. resnet18")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per process")
+    parser.add_argument("--checkpoint", default=None, help="write the model here (a plain state_dict)")
+    parser.add_argument("--save-every", type=int, default=1, help="epochs between checkpoints")
+    parser.add_argument("--save-every-steps", type=int, default=50, help="optimizer steps between snapshots")
+    parser.add_argument("--evaluate", default=None, metavar="CHECKPOINT", help="only evaluate this checkpoint")
+    parser.add_argument("--amp", action="store_true", help="mixed precision: bf16 on CPU, fp16 + GradScaler on CUDA")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="write TensorBoard logs here")
+    parser.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON line per epoch here")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "save_every", "grad_accum", "train_samples", "val_samples",
+                 "save_every_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.num_workers < 0:
+        parser.error(f"--num-workers must be 0 or more, got {args.num_workers}")
+    if args.data not in ("synthetic", "cifar10") and not os.path.isdir(os.path.join(args.data, "train")):
+        parser.error(f"--data {args.data}: not 'synthetic' or 'cifar10', and {args.data}/train is not a directory")
+    if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
+        parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
+    if args.evaluate and not os.path.isfile(args.evaluate):
+        parser.error(f"--evaluate {args.evaluate}: no such file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but PyTorch sees no GPU")
+    return args
+
+
+class SyntheticImages(Dataset):
+    """A learnable 10-class task built in, so nothing needs downloading: each class is a smooth colour
+    pattern, each sample that pattern shifted and buried in noise. Sample i is drawn from (seed, i) alone,
+    so every process and every restart sees exactly the same data without a file on disk."""
+
+    def __init__(self, num_samples, seed, first_index=0, num_classes=10, image_size=32):
+        generator = torch.Generator().manual_seed(seed)
+        coarse = torch.randn(num_classes, 3, 4, 4, generator=generator)
+        self.patterns = F.interpolate(coarse, size=image_size, mode="bilinear", align_corners=False)
+        self.num_samples, self.seed, self.first_index = num_samples, seed, first_index
+        self.classes = [f"pattern{c}" for c in range(num_classes)]
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_index + index)
+        label = int(torch.randint(len(self.patterns), (), generator=generator))
+        shift = torch.randint(-4, 5, (2,), generator=generator).tolist()
+        noise = torch.randn(self.patterns.shape[1:], generator=generator)
+        return torch.roll(self.patterns[label], shift, dims=(1, 2)) + 5 * noise, label
+
+
+def build_datasets(args):
+    """Returns (train_set, val_set, number of classes)."""
+    if args.data == "synthetic":
+        train_set = SyntheticImages(args.train_samples or 16_000, args.seed)
+        val_set = SyntheticImages(args.val_samples or 2_000, args.seed, first_index=10_000_000)  # held out
+    else:
+        to_tensor = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor(),
+                                        transforms.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
+        if args.data == "cifar10":
+            train_set = torchvision.datasets.CIFAR10(args.data_dir, True, to_tensor, download=args.download)
+            val_set = torchvision.datasets.CIFAR10(args.data_dir, False, to_tensor, download=args.download)
+        else:
+            train_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "train"), to_tensor)
+            val_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "val"), to_tensor)
+        num_classes = len(train_set.classes)
+        train_set = Subset(train_set, range(min(len(train_set), args.train_samples or len(train_set))))
+        val_set = Subset(val_set, range(min(len(val_set), args.val_samples or len(val_set))))
+        return train_set, val_set, num_classes
+    return train_set, val_set, len(train_set.classes)
+
+
+def build_model(name, num_classes):
+    if name == "cnn":
+        def block(c_in, c_out):
+            return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+        return nn.Sequential(*block(3, 32), nn.MaxPool2d(2), *block(32, 64), nn.MaxPool2d(2), *block(64, 128),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes))
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if hasattr(model, "conv1") and hasattr(model, "maxpool"):  # ResNets: keep 32x32 inputs from shrinking to 1x1
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def choose_device(name):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def log(message):
+    # global rank 0: one voice for the whole job (local rank 0 would print the same line once per node)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def train_one_epoch(model, loader, optimizer, scaler, args, device, after_step):
+    """One pass over `loader`, calling after_step(batches done) after every optimizer step; returns (mean
+    training loss, samples seen)."""
+    model.train()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+    last_report = time.perf_counter()
+    for step, (images, labels) in enumerate(loader):
+        # pinned memory + non_blocking lets the copy to the GPU overlap with compute (a no-op on CPU)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        last_micro_step = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
+        # no_sync: skip the gradient all-reduce on micro-batches before the last; it runs once, on the sum
+        with (nullcontext() if last_micro_step else model.no_sync()), autocast(device, args.amp):
+            loss = F.cross_entropy(model(images), labels)
+        scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+        if last_micro_step:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
+            after_step(step + 1)
+        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
+        if time.perf_counter() - last_report > 10:  # progress during long epochs
+            last_report = time.perf_counter()
+            log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
+    dist.all_reduce(totals)  # sum over all processes: the loss and throughput of the whole job
+    loss_sum, samples = totals.tolist()
+    return loss_sum / max(samples, 1), int(samples)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, amp):
+    """Returns (mean loss, accuracy) over every sample in `loader`."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with autocast(device, amp):
+            logits = model(images)
+        totals += torch.stack([F.cross_entropy(logits.float(), labels, reduction="sum").double(),
+                               (logits.argmax(1) == labels).sum().double(),
+                               torch.tensor(len(labels), dtype=torch.float64, device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)  # each process saw a disjoint part of the validation set; add them up
+    loss_sum, correct, samples = totals.tolist()
+    return loss_sum / samples, correct / samples
+
+
+def autocast(device, enabled):
+    # bf16 needs no loss scaling; fp16 (CUDA) is faster on older GPUs and needs the GradScaler
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype) if enabled else nullcontext()
+
+
+def save_checkpoint(path, checkpoint):
+    """Writes so that a crash at any moment leaves a usable snapshot: the new one goes to a temporary file, is
+    forced to disk, and only then takes the place of the old one, which is kept as PATH.prev."""
+    # global rank 0, not local rank 0: the official multinode example saved on local rank 0, one writer per
+    # node, all racing on the same file of a shared filesystem
+    if dist.get_rank() != 0:
+        dist.barrier()  # the others wait until the file exists before moving on
+        return
+    with open(path + ".tmp", "wb") as f:
+        torch.save(checkpoint, f)
+        time.sleep(float(os.environ.get("SNAPSHOT_WRITE_DELAY", 0)))  # lets the tests kill the writer mid-write
+        f.flush()
+        os.fsync(f.fileno())  # on the disk, not only in the page cache, before it replaces anything
+    if os.path.exists(path):
+        os.replace(path, path + ".prev")
+    os.replace(path + ".tmp", path)  # atomic: a crash mid-write never leaves a half-written checkpoint
+    log(f"saved snapshot {path} (epoch {checkpoint['epoch']}, +{checkpoint['samples_done']} samples)")
+    dist.barrier()
+
+
+def load_snapshot(path, device):
+    """The newest usable snapshot of PATH and PATH.prev, or None if neither exists. Every rank reads it."""
+    candidates = [p for p in (path, path + ".prev") if os.path.exists(p)]
+    for candidate in candidates:
+        try:  # weights_only: a snapshot is a pickle, and unpickling an untrusted one could run arbitrary code
+            return torch.load(candidate, map_location=device, weights_only=True)
+        except Exception as error:  # truncated by a crash, corrupted, or not a snapshot at all
+            log(f"warning: snapshot {candidate} is unusable ({type(error).__name__}); trying the previous one")
+    if candidates:
+        sys.exit(f"error: no usable snapshot among {', '.join(candidates)}; move them away to start over")
+    return None
+
+
+def ignore_stop_signals(worker_id):
+    # DataLoader workers get the same signals when a whole process group is signalled; if they died first, the
+    # main process could not fetch the next batch, reach the next step, and save (KempnerForge#177)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def evaluate_checkpoint(args):
+    """Loads a checkpoint written by any numbered script and evaluates it in this one process."""
+    device = choose_device(args.device)
+    # weights_only: a checkpoint is a pickle, and unpickling an untrusted one could run arbitrary code
+    checkpoint = torch.load(args.evaluate, map_location=device, weights_only=True)
+    saved = argparse.Namespace(**{**checkpoint["args"], "train_samples": 1})  # its data, model, seed
+    _, val_set, _ = build_datasets(saved)
+    model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
+    model.load_state_dict(checkpoint["model"])
+    loader = DataLoader(val_set, batch_size=args.batch_size, num_workers=args.num_workers)
+    val_loss, val_accuracy = evaluate(model, loader, device, args.amp)
+    log(f"{args.evaluate} (epoch {checkpoint['epoch']}): val loss {val_loss:.4f}  val acc {val_accuracy:.2%}")
+    print(json.dumps({"checkpoint": args.evaluate, "val_loss": val_loss, "val_accuracy": val_accuracy}))
+
+
+def main(args):
+    # torchrun started this process and says who it is: its rank among all processes, its index on this
+    # machine (which GPU it drives), and how many processes there are
+    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    torch.manual_seed(args.seed)
+    device = choose_device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)  # one GPU per process
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL and barrier() use this GPU
+    else:  # the processes on this machine (not all world_size of them) share its cores
+        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
+    # gloo on CPU, NCCL on GPU; a peer that never answers fails the collective after the timeout, not never
+    # rank, world size and where to meet (MASTER_ADDR:MASTER_PORT) come from torchrun's environment variables.
+    # After a restart, torchrun's shared rendezvous store still holds the previous attempt's keys, and the new
+    # workers can read stale peer addresses: gloo fails or hangs (pytorch/pytorch#135712). The documented
+    # commands set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a fresh store; without it,
+    # give this attempt keys of its own in the shared one.
+    backend, timeout = "nccl" if device.type == "cuda" else "gloo", timedelta(minutes=5)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    # every process says where it runs and who it is: the first thing to read when a multi-node job misbehaves
+    print(f"[{socket.gethostname()}] node {os.environ.get('GROUP_RANK', '?')}, local rank {local_rank}: "
+          f"rank {rank} of {world_size}", flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # faster fp32 on Ampere+
+    # node-local work: every machine has its own disk, so one process per machine prepares the data there. (With
+    # --data-dir on a filesystem all nodes share, keep 02's `rank` here: one writer for the whole job.)
+    if local_rank != 0:
+        dist.barrier()
+    train_set, val_set, num_classes = build_datasets(args)
+    if local_rank == 0:
+        print(f"[{socket.gethostname()}] local rank 0 prepared the data for this node", flush=True)
+        dist.barrier()
+    loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                          pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
+                          worker_init_fn=ignore_stop_signals)
+    # not DistributedSampler: it pads shards to equal length by repeating samples, which would count twice
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
+
+    model = build_model(args.model, num_classes).to(device)
+    snapshot = load_snapshot(args.checkpoint, device) if args.checkpoint else None
+    if snapshot:
+        model.load_state_dict(snapshot["model"])
+    # DDP copies rank 0's weights and buffers to all processes now, and averages gradients in backward(). BatchNorm
+    # normalizes per process; rank 0's running stats are copied to all at every forward (tiny batches: SyncBatchNorm)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # device_ids: GPU only
+    raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
+    if args.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp and device.type == "cuda")
+    start_epoch, samples_done = 1, 0  # samples_done: of the current epoch, by all ranks together
+    if snapshot:
+        optimizer.load_state_dict(snapshot["optimizer"])
+        scheduler.load_state_dict(snapshot["scheduler"])
+        scaler.load_state_dict(snapshot["scaler"])
+        torch.set_rng_state(snapshot["rng"]["torch"].cpu())
+        torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]])
+        random.setstate(snapshot["rng"]["python"])
+        start_epoch, samples_done = snapshot["epoch"] + 1, snapshot["samples_done"]
+        log(f"resumed from {args.checkpoint}: epoch {start_epoch}, {samples_done} samples into it")
+
+    def make_snapshot(epochs_done, samples_done):
+        return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,
+                "epoch": epochs_done, "samples_done": samples_done, "args": vars(args),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(), "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all(), "python": random.getstate()}}
+
+    # Slurm sends SIGTERM (or SIGUSR1, with --signal) before it kills a job; torchrun forwards TERM but not USR1
+    stop_requested = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda *_: stop_requested.set())
+
+    def after_step(batches_done):
+        stop = torch.tensor([float(stop_requested.is_set())], device=device)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # stop together: a rank that went on alone would hang
+        done = samples_done + batches_done * args.batch_size * world_size
+        if args.checkpoint and (stop.item() or batches_done % (args.save_every_steps * args.grad_accum) == 0):
+            save_checkpoint(args.checkpoint, make_snapshot(epoch - 1, done))
+        if stop.item():
+            log(f"stopped by a signal in epoch {epoch}, {done} samples in; the same command resumes from there")
+            dist.destroy_process_group()
+            sys.exit(0)  # not a failure: torchrun must not spend a restart on it
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(args.tensorboard)
+
+    log(f"{args.model} on {device}: {len(train_set)} train / {len(val_set)} val samples, "
+        f"batch {args.batch_size}")
+    for epoch in range(start_epoch, args.epochs + 1):
+        # DistributedSampler cannot start mid-epoch: shuffle here, skip what all ranks together trained on before
+        # a restart (whatever the world size was then), and give each rank every world_size-th of the rest
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + epoch))
+        order = order[samples_done:].tolist()
+        shard = order[rank:len(order) // world_size * world_size:world_size]
+        # its own generator: creating the loader must not draw from the global RNG, which the snapshot restores
+        train_loader = DataLoader(train_set, sampler=shard, drop_last=True, generator=torch.Generator(),
+                                  **loader_options)
+        start = time.perf_counter()
+        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device, after_step)
+        samples_done = 0
+        samples_per_s = samples / (time.perf_counter() - start)
+        scheduler.step()
+        val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
+        log(f"epoch {epoch}/{args.epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
+            f"val acc {val_accuracy:.2%}  {samples_per_s:.0f} samples/s  {time.perf_counter() - start:.1f} s")
+        metrics = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
+                   "samples_per_s": samples_per_s, "world_size": world_size}
+        if args.metrics and rank == 0:
+            with open(args.metrics, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        if writer:
+            for name, value in metrics.items():
+                writer.add_scalar(name, value, epoch)
+        if args.checkpoint and (epoch % args.save_every == 0 or epoch == args.epochs):
+            save_checkpoint(args.checkpoint, make_snapshot(epoch, 0))
+    if writer:
+        writer.close()
+    checksum = sum(p.double().sum().item() for p in raw_model.parameters())  # equal on every rank, every node
+    print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.evaluate:
+        evaluate_checkpoint(args)
+    elif "LOCAL_RANK" not in os.environ:
+        # Stop rather than train as a world of one: on a cluster, a forgotten launcher would otherwise quietly
+        # train on one GPU while the job holds eight.
+        sys.exit(f"{sys.argv[0]} must be started by torchrun on every node: torchrun --nnodes=2 --nproc_per_node=2 "
+                 f"--rdzv_backend=c10d --rdzv_endpoint=FIRST_NODE:29500 --rdzv_id=job1 {sys.argv[0]}")
+    else:
+        main(args)

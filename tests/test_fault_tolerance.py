@@ -1,0 +1,193 @@
+"""04_fault_tolerant.py loses nothing: killed workers, a writer killed mid-write, a truncated or malicious
+snapshot, SIGTERM and SIGUSR1, and ten restarts in a row all end with exactly the parameters of a run that
+was never interrupted (bitwise: CPU, gloo, same seed)."""
+import os
+import pickle
+import random
+import re
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+from helpers import TORCHRUN, clean_env, finish, start
+
+pytestmark = pytest.mark.faults
+
+SCRIPT = "04_fault_tolerant.py"
+TRAIN = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
+         "--save-every-steps", "4"]
+TRIALS = int(os.environ.get("FAULT_TRIALS", "2"))  # kill -9 trials; e.g. FAULT_TRIALS=20 for a longer soak
+
+
+def command(snapshot, max_restarts=0, *extra):
+    """The README's fault-tolerance command, with tiny settings."""
+    return [TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={max_restarts}", SCRIPT, *TRAIN,
+            "--checkpoint", snapshot, *extra]
+
+
+def environment(shared_store=False, **extra):
+    """The documented launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; shared_store=True leaves it out, to
+    prove the script's own fallback."""
+    return clean_env(**({} if shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), **extra)
+
+
+def launch(tmp_path, name, cmd, env=None):
+    with open(tmp_path / f"{name}.log", "w") as log:  # the child keeps its own copy of the file descriptor
+        return start(cmd, env=env or environment(), output=log), tmp_path / f"{name}.log"
+
+
+def wait(process, log, timeout=240):
+    result = finish(process, timeout)
+    return result.returncode, log.read_text()
+
+
+def checksums(output):
+    return set(re.findall(r"rank \d done: parameter checksum (\S+)", output))
+
+
+def workers(agent):
+    """The agent's training processes (not the agent, not DataLoader workers)."""
+    return [p for p in psutil.Process(agent.pid).children(recursive=True)
+            if SCRIPT in " ".join(p.cmdline()) and p.parent().pid == agent.pid]
+
+
+def wait_for_new_snapshot(path, after, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_mtime_ns > after:
+            return path.stat().st_mtime_ns
+        time.sleep(0.05)
+    raise AssertionError(f"no new snapshot at {path} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run: its final checksum and final snapshot, and the one before it."""
+    folder = tmp_path_factory.mktemp("reference")
+    code, output = wait(*launch(folder, "reference", command(folder / "snapshot.pt")))
+    assert code == 0, output[-3000:]
+    (checksum,) = checksums(output)
+    return checksum, folder
+
+
+def final_model(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def assert_same_as_reference(reference, output, snapshot):
+    checksum, folder = reference
+    assert checksums(output) == {checksum}
+    expected, got = final_model(folder / "snapshot.pt"), final_model(snapshot)
+    assert all(torch.equal(expected[key], got[key]) for key in expected), "bitwise equal to the uninterrupted run"
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_kill_9_of_a_worker_at_a_random_step_resumes_to_identical_parameters(reference, tmp_path, trial):
+    rng = random.Random(trial)
+    snapshot = tmp_path / "snapshot.pt"
+    agent, log = launch(tmp_path, "run", command(snapshot, max_restarts=3))
+    seen = wait_for_new_snapshot(snapshot, 0)
+    for _ in range(rng.randint(0, 3)):  # a random number of snapshots in, then a random moment
+        seen = wait_for_new_snapshot(snapshot, seen)
+    time.sleep(rng.uniform(0, 0.5))
+    rng.choice(workers(agent)).kill()
+    code, output = wait(agent, log)
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output
+    assert_same_as_reference(reference, output, snapshot)
+
+
+def test_killing_the_writer_mid_write_keeps_the_previous_snapshot(reference, tmp_path):
+    snapshot = tmp_path / "snapshot.pt"
+    agent, log = launch(tmp_path, "run", command(snapshot, 1, "--save-every-steps", "12"),
+                        environment(SNAPSHOT_WRITE_DELAY="1.5"))
+    wait_for_new_snapshot(snapshot, 0)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "snapshot.pt.tmp").exists():  # the next write has begun and is paused
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    before = snapshot.read_bytes()
+    writer = next(p for p in workers(agent) if "RANK" in p.environ() and p.environ()["RANK"] == "0")
+    writer.kill()
+    assert snapshot.read_bytes() == before, "the complete previous snapshot is untouched"
+    torch.load(snapshot, weights_only=True)
+    code, output = wait(agent, log)
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output
+    assert_same_as_reference(reference, output, snapshot)
+
+
+def test_a_truncated_newest_snapshot_falls_back_to_the_previous_with_a_warning(reference, tmp_path):
+    _, folder = reference
+    snapshot = tmp_path / "snapshot.pt"
+    good = (folder / "snapshot.pt.prev").read_bytes()  # the reference's last-but-one snapshot
+    (tmp_path / "snapshot.pt.prev").write_bytes(good)
+    snapshot.write_bytes((folder / "snapshot.pt").read_bytes()[:5000])  # a crash mid-copy, say
+    code, output = wait(*launch(tmp_path, "run", command(snapshot)))
+    assert code == 0, output[-3000:]
+    assert f"warning: snapshot {snapshot} is unusable" in output
+    assert "resumed from" in output
+    assert_same_as_reference(reference, output, snapshot)
+
+
+class Malicious:
+    """Unpickling this runs code: here, creating a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_malicious_snapshot_is_refused_and_its_code_never_runs(tmp_path):
+    marker, snapshot = tmp_path / "pwned", tmp_path / "snapshot.pt"
+    with open(snapshot, "wb") as f:
+        pickle.dump({"model": Malicious(str(marker))}, f)
+    code, output = wait(*launch(tmp_path, "run", command(snapshot)), timeout=120)
+    assert code != 0
+    assert f"error: no usable snapshot among {snapshot}" in output
+    assert not marker.exists(), "weights_only=True must refuse to run the pickle's code"
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to the workers"])
+def test_a_preemption_signal_saves_a_snapshot_and_a_rerun_resumes(reference, tmp_path, how):
+    """With DataLoader workers (--num-workers 2) that get the signal too: they must not die first."""
+    snapshot = tmp_path / "snapshot.pt"
+    run = command(snapshot, 0, "--num-workers", "2")
+    agent, log = launch(tmp_path, "first", run)
+    wait_for_new_snapshot(snapshot, wait_for_new_snapshot(snapshot, 0))
+    if how == "SIGTERM to torchrun":
+        os.kill(agent.pid, signal.SIGTERM)  # torchrun forwards TERM to its workers
+    else:
+        for process in psutil.Process(agent.pid).children(recursive=True):  # workers and their loaders alike
+            process.send_signal(signal.SIGUSR1)
+    code, output = wait(agent, log)
+    stopped = re.search(r"stopped by a signal in epoch (\d+), (\d+) samples in", output)
+    assert stopped, output[-3000:]
+    epoch, samples = map(int, stopped.groups())
+    assert f"saved snapshot {snapshot} (epoch {epoch - 1}, +{samples} samples)" in output, "saved at the stop"
+    if how == "SIGUSR1 to the workers":
+        assert code == 0, "a stop on a signal is not a failure"
+    code, output = wait(*launch(tmp_path, "second", run))
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output
+    assert_same_as_reference(reference, output, snapshot)
+
+
+def test_ten_restarts_in_a_row_without_a_hang(reference, tmp_path):
+    """torchrun's shared rendezvous store (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the script's per-attempt
+    prefix is what keeps each restart clean. A worker is killed after every new snapshot, ten times."""
+    snapshot = tmp_path / "snapshot.pt"
+    agent, log = launch(tmp_path, "run", command(snapshot, 10, "--save-every-steps", "2"),
+                        environment(shared_store=True))
+    seen = 0
+    for kill in range(10):
+        seen = wait_for_new_snapshot(snapshot, seen, timeout=90)
+        random.Random(kill).choice(workers(agent)).kill()
+    code, output = wait(agent, log, timeout=300)
+    assert code == 0, output[-3000:]
+    assert output.count("resumed from") == 10
+    assert_same_as_reference(reference, output, snapshot)
