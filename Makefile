@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # One process per GPU when there are GPUs, else 2 CPU processes.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 2)
-# A quick subset of the tests: no script launches, no multi-host, Slurm or notebook runs.
-QUICK := not launch and not multihost and not slurm and not notebooks
+# A quick subset of the tests: nothing that starts processes.
+QUICK := not launch and not multiproc and not multihost and not faults and not slurm and not notebooks
 
 .PHONY: setup demo test test-quick diffs lint clean
 

@@ -59,5 +59,7 @@ def test_readme_shows_the_commands_the_tests_run():
         assert shown in readme, f"README does not show: {shown}"
     practice = node_command("127.0.0.1:29500", "job1")
     assert " ".join(["torchrun", *practice[1:]]) in readme, "README's one-machine multi-node command"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 " \
+           "04_fault_tolerant.py --checkpoint snapshot.pt" in readme, "the command tests/test_fault_tolerance.py runs"
     for target in ("make demo", "make test"):
         assert target in readme
