@@ -1,0 +1,149 @@
+"""Every sbatch file in slurm/, submitted unmodified to a real Slurm cluster on this machine (two nodes, n1
+and n2, with fake GPUs; started by slurm/local_cluster.sh), trains; 04's preemption path snapshots, requeues
+and resumes to exactly the parameters of an uninterrupted run. Plus static checks of every sbatch file."""
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from helpers import REPO, clean_env, run
+
+pytestmark = pytest.mark.slurm
+
+SLURM = REPO / "slurm"
+SBATCH_FILES = sorted(path.name for path in SLURM.glob("*.sbatch"))
+TINY = ["--train-samples", "512", "--val-samples", "64", "--epochs", "1"]
+TRAIN_04 = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
+            "--save-every-steps", "4"]
+CLUSTER_DIR = "/tmp/ddp-steps-slurm-tests"
+
+
+def header(path):
+    """The lines sbatch reads options from: everything before the first command."""
+    lines = []
+    for line in (SLURM / path).read_text().splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
+        lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("name", SBATCH_FILES)
+def test_sbatch_file_is_valid_bash_and_shellcheck_clean(name):
+    assert subprocess.run(["bash", "-n", SLURM / name], capture_output=True).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (slurm/local_cluster.sh install gets it)")
+    result = subprocess.run(["shellcheck", SLURM / name], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.parametrize("name", SBATCH_FILES)
+def test_sbatch_directives_are_well_formed_and_read_by_sbatch(name):
+    text = (SLURM / name).read_text()
+    for line in text.splitlines():
+        # also catches "# SBATCH --x", " #SBATCH" and "#Sbatch", which sbatch silently ignores
+        if re.match(r"\s*#+\s*SBATCH", line) or re.match(r"\s*#sbatch", line, re.I):
+            assert re.fullmatch(r"#SBATCH --[a-z-]+(=\S+)?", line), f"malformed: {line!r}"
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives and directives == [line for line in header(name) if line.startswith("#SBATCH")], \
+        "an #SBATCH line after the first command is ignored by sbatch"
+    assert "--output=slurm/logs/" in text and (REPO / "slurm/logs/.gitignore").exists()
+
+
+@pytest.mark.parametrize("name", SBATCH_FILES)
+def test_sbatch_file_runs_a_script_that_exists(name):
+    scripts = set(re.findall(r"\b(\d\d_\w+\.py)\b", (SLURM / name).read_text()))
+    assert scripts and all((REPO / script).exists() for script in scripts)
+
+
+def slurm_env():
+    return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The real local cluster, up for this module and down again afterwards, even if a test fails."""
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root")
+    missing = [tool for tool in ("slurmctld", "slurmd", "sbatch", "unshare") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)}): sudo slurm/local_cluster.sh install")
+    env = clean_env(DDP_STEPS_SLURM_DIR=CLUSTER_DIR)
+    result = run([SLURM / "local_cluster.sh", "up"], timeout=120, env=env)
+    try:
+        assert result.returncode == 0, result.stdout
+        yield
+    finally:
+        run([SLURM / "local_cluster.sh", "down"], timeout=120, env=env)
+
+
+def submit(name, *args, wait=True, options=()):
+    command = ["sbatch", "--parsable", *(["--wait"] if wait else []), *options, f"slurm/{name}", *args]
+    result = run(command, timeout=300, env=slurm_env())
+    job = result.stdout.strip().splitlines()[0].split(";")[0]
+    log = next(iter(SLURM.glob(f"logs/*-{job}.out")), None)
+    return result, job, log
+
+
+def read_log(log):
+    text = log.read_text()
+    log.unlink()
+    return text
+
+
+EXPECTED = {  # what each job's log must show: the nodes it ran on and how many ranks
+    "00_single_gpu.sbatch": ({"n1"}, 1),
+    "01_mp_spawn.sbatch": ({"n1"}, 2),
+    "02_torchrun.sbatch": ({"n1"}, 2),
+    "03_multinode.sbatch": ({"n1", "n2"}, 4),
+    "03_multinode_srun.sbatch": ({"n1", "n2"}, 4),
+}
+
+
+@pytest.mark.parametrize("name", [name for name in SBATCH_FILES if name in EXPECTED])
+def test_sbatch_file_trains_on_the_local_cluster(cluster, name):
+    result, _, log = submit(name, *TINY)
+    output = read_log(log)
+    assert result.returncode == 0, output[-3000:]
+    assert "epoch 1/1" in output
+    nodes, world_size = EXPECTED[name]
+    assert f"job {result.stdout.split(';')[0].strip()}" in output
+    if name.startswith("03"):
+        ranks = re.findall(r"^\[(n\d)\] node \S+, local rank \d: rank (\d) of (\d)$", output, re.M)
+        assert {node for node, _, _ in ranks} == nodes
+        assert sorted(int(rank) for _, rank, _ in ranks) == list(range(world_size))
+        assert len(set(re.findall(r"parameter checksum (\S+)", output))) == 1
+    if name.startswith(("01", "02")):
+        assert f"{world_size} processes" in output
+
+
+def test_04_preemption_snapshots_requeues_and_resumes_to_the_uninterrupted_result(cluster):
+    """scancel --batch --signal=USR1 fires the trap at once, as Slurm would before the time limit."""
+    one_gpu = ["--gpus-per-node=1"]  # 2 nodes x 1 process: this machine has 2 cores
+    result, job, log = submit("04_fault_tolerant.sbatch", *TRAIN_04, options=one_gpu)
+    uninterrupted = read_log(log)
+    assert result.returncode == 0, uninterrupted[-3000:]
+    (SLURM / f"logs/ddp-04-{job}.pt").unlink()
+    (SLURM / f"logs/ddp-04-{job}.pt.prev").unlink(missing_ok=True)
+
+    _, job, _ = submit("04_fault_tolerant.sbatch", *TRAIN_04, wait=False, options=one_gpu)
+    snapshot = SLURM / f"logs/ddp-04-{job}.pt"
+    deadline = time.monotonic() + 120
+    while not snapshot.exists():
+        assert time.monotonic() < deadline, "no snapshot"
+        time.sleep(0.2)
+    run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env())
+    while run(["squeue", "-h", "-j", job], env=slurm_env()).stdout.strip():
+        assert time.monotonic() < deadline + 180, "the requeued job did not finish"
+        time.sleep(1)
+    output = read_log(SLURM / f"logs/ddp-04-{job}.out")
+    for path in (snapshot, SLURM / f"logs/ddp-04-{job}.pt.prev"):
+        path.unlink(missing_ok=True)
+    assert "USR1: asking the workers to snapshot and stop" in output
+    assert re.search(r"stopped by a signal in epoch \d+, \d+ samples in", output)
+    assert f"job {job}, restart 1:" in output, "requeued: SLURM_RESTART_COUNT=1"
+    assert "resumed from" in output
+    checksums = set(re.findall(r"parameter checksum (\S+)", output))
+    assert checksums == set(re.findall(r"parameter checksum (\S+)", uninterrupted)) and len(checksums) == 1
