@@ -221,8 +221,8 @@ def main(args):
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)  # one GPU per process
         torch.cuda.set_device(device)  # before init_process_group, so NCCL and barrier() use this GPU
-    else:  # N processes each using every core would fight over them
-        torch.set_num_threads(max(1, os.cpu_count() // world_size))
+    else:  # N processes each using every core would fight over them; OMP_NUM_THREADS, if set, decides
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, os.cpu_count() // world_size))
     # gloo on CPU, NCCL on GPU; a peer that never answers fails the collective after the timeout, not never
     # rank, world size and where to meet (MASTER_ADDR:MASTER_PORT) come from torchrun's environment variables
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=5))

@@ -208,6 +208,7 @@ def save_checkpoint(path, checkpoint):
     if dist.get_rank() != 0:
         dist.barrier()  # the others wait until the file exists before moving on
         return
+    began = time.perf_counter()
     with open(path + ".tmp", "wb") as f:
         torch.save(checkpoint, f)
         time.sleep(float(os.environ.get("SNAPSHOT_WRITE_DELAY", 0)))  # lets the tests kill the writer mid-write
@@ -216,7 +217,8 @@ def save_checkpoint(path, checkpoint):
     if os.path.exists(path):
         os.replace(path, path + ".prev")
     os.replace(path + ".tmp", path)  # atomic: a crash mid-write never leaves a half-written checkpoint
-    log(f"saved snapshot {path} (epoch {checkpoint['epoch']}, +{checkpoint['samples_done']} samples)")
+    log(f"saved snapshot {path} (epoch {checkpoint['epoch']}, +{checkpoint['samples_done']} samples) "
+        f"in {1000 * (time.perf_counter() - began):.1f} ms")
     dist.barrier()
 
 
@@ -265,7 +267,8 @@ def main(args):
         device = torch.device("cuda", local_rank)  # one GPU per process
         torch.cuda.set_device(device)  # before init_process_group, so NCCL and barrier() use this GPU
     else:  # the processes on this machine (not all world_size of them) share its cores
-        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
+        local_processes = int(os.environ["LOCAL_WORLD_SIZE"])
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, os.cpu_count() // local_processes))
     # gloo on CPU, NCCL on GPU; a peer that never answers fails the collective after the timeout, not never
     # rank, world size and where to meet (MASTER_ADDR:MASTER_PORT) come from torchrun's environment variables.
     # After a restart, torchrun's shared rendezvous store still holds the previous attempt's keys, and the new

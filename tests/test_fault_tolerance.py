@@ -44,7 +44,7 @@ def wait(process, log, timeout=240):
 
 
 def checksums(output):
-    return set(re.findall(r"rank \d done: parameter checksum (\S+)", output))
+    return set(re.findall(r"rank \d done: parameter checksum ([-+.\deE]+)", output))
 
 
 def workers(agent):

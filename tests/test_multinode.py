@@ -28,7 +28,7 @@ def node_command(endpoint, rdzv_id, *script_args, nnodes=2, join_timeout=60):
 def identities(output):
     """{rank: (hostname, node, local rank)} from the start-up lines every process prints."""
     return {int(rank): (host, node, int(local)) for host, node, local, rank in
-            re.findall(r"^\[(\S+)\] node (\S+), local rank (\d+): rank (\d+) of 2$", output, re.M)}
+            re.findall(r"\[([\w.-]+)\] node (\S+), local rank (\d+): rank (\d+) of 2\b", output)}
 
 
 def check_two_node_run(outputs, checkpoints, hostnames=None):
@@ -42,7 +42,7 @@ def check_two_node_run(outputs, checkpoints, hostnames=None):
             assert f"[{host}] local rank 0 prepared" in output
     if hostnames:
         assert sorted(host for node in ranks for host, _, _ in node.values()) == sorted(hostnames)
-    checksums = set(re.findall(r"rank \d done: parameter checksum (\S+)", "".join(outputs)))
+    checksums = set(re.findall(r"rank \d done: parameter checksum ([-+.\deE]+)", "".join(outputs)))
     assert len(checksums) == 1, f"both ranks must end with the same parameters: {checksums}"
     # Each node was given its own --checkpoint path: only the node holding global rank 0 may have written.
     writer = next(index for index, node in enumerate(ranks) if 0 in node)

@@ -111,10 +111,10 @@ def test_sbatch_file_trains_on_the_local_cluster(cluster, name):
     nodes, world_size = EXPECTED[name]
     assert f"job {result.stdout.split(';')[0].strip()}" in output
     if name.startswith("03"):
-        ranks = re.findall(r"^\[(n\d)\] node \S+, local rank \d: rank (\d) of (\d)$", output, re.M)
+        ranks = re.findall(r"\[(n\d)\] node \S+, local rank \d: rank (\d) of (\d)\b", output)
         assert {node for node, _, _ in ranks} == nodes
         assert sorted(int(rank) for _, rank, _ in ranks) == list(range(world_size))
-        assert len(set(re.findall(r"parameter checksum (\S+)", output))) == 1
+        assert len(set(re.findall(r"parameter checksum ([-+.\deE]+)", output))) == 1
     if name.startswith(("01", "02")):
         assert f"{world_size} processes" in output
 
@@ -145,5 +145,5 @@ def test_04_preemption_snapshots_requeues_and_resumes_to_the_uninterrupted_resul
     assert re.search(r"stopped by a signal in epoch \d+, \d+ samples in", output)
     assert f"job {job}, restart 1:" in output, "requeued: SLURM_RESTART_COUNT=1"
     assert "resumed from" in output
-    checksums = set(re.findall(r"parameter checksum (\S+)", output))
-    assert checksums == set(re.findall(r"parameter checksum (\S+)", uninterrupted)) and len(checksums) == 1
+    checksums = set(re.findall(r"parameter checksum ([-+.\deE]+)", output))
+    assert checksums == set(re.findall(r"parameter checksum ([-+.\deE]+)", uninterrupted)) and len(checksums) == 1

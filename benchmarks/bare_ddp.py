@@ -1,0 +1,51 @@
+"""The least a DDP training loop can be: the same model, data, batch and optimizer as 02_torchrun.py, and
+nothing else (no validation, no metrics, no accumulation, no AMP, no progress). benchmarks/run.py compares
+02's throughput with this one's. Run with torchrun; prints one JSON line per epoch from rank 0.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/bare_ddp.py --train-samples 4096 --epochs 3
+"""
+import argparse
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+spec = importlib.util.spec_from_file_location("step02", Path(__file__).resolve().parents[1] / "02_torchrun.py")
+step02 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step02)  # its model and data, so that only the loop differs
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--train-samples", type=int, default=4096)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--batch-size", type=int, default=64)
+args = parser.parse_args()
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # the benchmark always sets it
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+data = step02.SyntheticImages(args.train_samples, seed=0)
+sampler = DistributedSampler(data, seed=0, drop_last=True)
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+model = DDP(step02.build_model("cnn", 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+for epoch in range(1, args.epochs + 1):
+    sampler.set_epoch(epoch)
+    began, samples = time.perf_counter(), 0
+    for images, labels in loader:
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples += len(labels)
+    if dist.get_rank() == 0:
+        elapsed = time.perf_counter() - began
+        print(json.dumps({"epoch": epoch, "samples_per_s": samples * dist.get_world_size() / elapsed}), flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,47 @@
+"""The notebooks: their committed cells are the ones tools/notebooks.py builds, their committed outputs
+were produced by those cells (and hold the promised plots, and nothing about the machine that made them),
+and each one runs from a clean kernel."""
+import re
+import socket
+import sys
+
+import nbformat
+import pytest
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import notebooks as builder  # noqa: E402
+
+NAMES = list(builder.NOTEBOOKS)
+
+
+def committed(name):
+    return nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
+
+
+def outputs(notebook):
+    return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+
+
+def test_committed_cells_are_the_builders_and_were_executed_as_they_are():
+    """A changed cell without regenerated outputs fails here: run python tools/notebooks.py."""
+    assert builder.check() == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_outputs_are_complete_and_say_nothing_about_the_machine(name):
+    notebook = committed(name)
+    assert all(cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code"), "unexecuted"
+    assert not [o for o in outputs(notebook) if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs(notebook)), "every notebook draws something"
+    text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outputs(notebook))
+    for leak in (str(REPO), "/tmp/", "/root/", "/home/", "ddp-steps-notebook-"):
+        assert leak not in text, f"absolute path in the outputs: {leak}"
+    assert not re.search(rf"\b{re.escape(socket.gethostname())}\b", text), "host name in the outputs"
+    assert not re.search(r"^\[[\w.-]+\] ", text, re.M), "a script's [hostname] prefix in the outputs"
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_from_a_clean_kernel(name):
+    builder.execute(committed(name), timeout=300)  # raises CellExecutionError on a failing cell
