@@ -284,8 +284,9 @@ def main(args):
     else:
         dist.init_process_group(backend, timeout=timeout)
     # every process says where it runs and who it is: the first thing to read when a multi-node job misbehaves
+    # (newline inside, end="": one write per line, so lines of different processes never run into each other)
     print(f"[{socket.gethostname()}] node {os.environ.get('GROUP_RANK', '?')}, local rank {local_rank}: "
-          f"rank {rank} of {world_size}", flush=True)
+          f"rank {rank} of {world_size}\n", end="", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # faster fp32 on Ampere+
     # node-local work: every machine has its own disk, so one process per machine prepares the data there. (With
     # --data-dir on a filesystem all nodes share, keep 02's `rank` here: one writer for the whole job.)
@@ -293,7 +294,7 @@ def main(args):
         dist.barrier()
     train_set, val_set, num_classes = build_datasets(args)
     if local_rank == 0:
-        print(f"[{socket.gethostname()}] local rank 0 prepared the data for this node", flush=True)
+        print(f"[{socket.gethostname()}] local rank 0 prepared the data for this node\n", end="", flush=True)
         dist.barrier()
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                           pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
@@ -384,7 +385,7 @@ def main(args):
     if writer:
         writer.close()
     checksum = sum(p.double().sum().item() for p in raw_model.parameters())  # equal on every rank, every node
-    print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}", flush=True)
+    print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}\n", end="", flush=True)
     dist.destroy_process_group()
 
 

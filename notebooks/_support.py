@@ -61,7 +61,7 @@ def run(command, timeout=600, **env):
 def scrub(text):
     """Output as it may be shown: no temporary paths, no host names."""
     text = re.sub(r"/\S*ddp-steps-notebook-\w+/", "", text)
-    return re.sub(r"^\[\S+\] ", "", text, flags=re.M)
+    return re.sub(r"\[[\w.-]+\] ", "", text)
 
 
 def read_metrics(path):

@@ -3,10 +3,11 @@ produced by the committed code.
 
     python tools/notebooks.py              # rebuild and execute every notebook (a few minutes on 2 cores)
     python tools/notebooks.py 04           # only those whose name starts with 04
-    python tools/notebooks.py --check      # fail if a notebook's cells differ from this file (CI)
+    python tools/notebooks.py --check      # fail if a notebook is stale
 
-Edit the cells here, not in Jupyter: a notebook is an output of this file. Each executed notebook records the
-hash of its cells in its metadata; tests/test_notebooks.py checks the cells and the hash, and runs each one.
+Edit the cells here, not in Jupyter: a notebook is an output of this file. Each executed notebook records a
+hash of its cells, the numbered scripts and notebooks/_support.py in its metadata; tests/test_notebooks.py
+checks cells and hash (stale outputs fail), and runs each notebook.
 """
 import hashlib
 import sys
@@ -311,7 +312,12 @@ print(f"{len(timeline['buckets'])} buckets; {inside} launched before backward() 
 
 
 def source_hash(cells):
-    return hashlib.sha256(repr(cells).encode()).hexdigest()
+    """What a notebook's outputs depend on: its cells, the numbered scripts it runs and shows, and the
+    notebooks' support module. Any of them changing makes the committed outputs stale."""
+    digest = hashlib.sha256(repr(cells).encode())
+    for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + [FOLDER / "_support.py"]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def build(name):
@@ -346,7 +352,8 @@ def check():
         committed = nbformat.read(path, as_version=4)
         if cells(committed) != NOTEBOOKS[name] or \
                 committed.metadata.get("ddp_steps", {}).get("source_sha256") != source_hash(NOTEBOOKS[name]):
-            problems.append(f"{path.name} does not match tools/notebooks.py: run python tools/notebooks.py {name}")
+            problems.append(f"{path.name} is stale (its cells, the scripts or _support.py changed since it was "
+                            f"executed): run python tools/notebooks.py {name}")
     for problem in problems:
         print("error:", problem, file=sys.stderr)
     return 1 if problems else 0
