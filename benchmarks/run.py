@@ -1,7 +1,7 @@
 """What DDP costs, how it scales, and what fault tolerance costs, measured with the tutorial's own scripts.
 
-    .venv/bin/python benchmarks/run.py                 # about 6 minutes on 2 cores
-    .venv/bin/python benchmarks/run.py --repeats 5
+    .venv/bin/python benchmarks/run.py                 # about 12 minutes on 2 cores (5 repeats)
+    .venv/bin/python benchmarks/run.py --repeats 3
 
 Every configuration runs once per repeat, all of them side by side in each repeat, and the table reports
 medians: ratios measured in the same conditions are what this noisy machine can give. Throughput is the
@@ -81,15 +81,23 @@ def one_repeat(folder, repeat):
     """All configurations once; returns {name: value}."""
     results = {}
     m = lambda name: folder / f"{name}-{repeat}.jsonl"  # noqa: E731
-    # DDP overhead: the same single process, with and without DDP (2 threads each)
-    _, lines = with_metrics(run(script("00_single_gpu.py", 0, metrics=m("00")), threads=2), m("00"))
-    results["00, 1 process x 2 threads"] = steady(lines)
-    _, lines = with_metrics(run(script("02_torchrun.py", 1, metrics=m("02x1t2")), threads=2), m("02x1t2"))
-    results["02, 1 process x 2 threads (DDP)"] = steady(lines)
+    # DDP overhead: the same single process, with and without DDP (2 threads each), in alternating order
+    pair = [("00, 1 process x 2 threads", script("00_single_gpu.py", 0, metrics=m("00"))),
+            ("02, 1 process x 2 threads, DDP", script("02_torchrun.py", 1, metrics=m("02x1t2")))]
+    for name, command in pair if repeat % 2 == 0 else reversed(pair):
+        results[name] = steady(with_metrics(run(command, threads=2), command[-1])[1])
     # scaling: the same global batch (128) on 1 process x 1 thread and on 2 processes x 1 thread
     _, lines = with_metrics(run(script("02_torchrun.py", 1, "--batch-size", "128", metrics=m("02x1")), threads=1),
                             m("02x1"))
     results["02, 1 process x 1 thread, batch 128"] = steady(lines)
+    # the machine's own ceiling for that: two independent single processes at once, no DDP, no communication
+    _, lines = with_metrics(run(script("00_single_gpu.py", 0, metrics=m("00t1")), threads=1), m("00t1"))
+    results["00, 1 process x 1 thread, batch 64"] = steady(lines)
+    pair = [launch(script("00_single_gpu.py", 0, metrics=m(f"00pair{i}")), 1) for i in range(2)]
+    for started in pair:
+        collect(*started)
+    results["two separate 00 processes at once x 1 thread, batch 64 each"] = sum(
+        steady(with_metrics((0, []), m(f"00pair{i}"))[1]) for i in range(2))
     wall, lines = with_metrics(run(script("02_torchrun.py", 2, metrics=m("02x2"))), m("02x2"))
     results["02, 2 processes x 1 thread, batch 64 each"] = steady(lines)
     results["start-up: launch to training, 02 x 2 (s)"] = startup(lines)
@@ -134,7 +142,7 @@ def machine():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="ddp-steps-bench-"))
     repeats = []
@@ -144,9 +152,12 @@ def main():
     median = {name: statistics.median(r[name] for r in repeats) for name in repeats[0]}
     ratios = {
         "DDP overhead: 02 x 1 / 00 (goal >= 0.97)":
-            median["02, 1 process x 2 threads (DDP)"] / median["00, 1 process x 2 threads"],
+            median["02, 1 process x 2 threads, DDP"] / median["00, 1 process x 2 threads"],
         "scaling: 2 x 1 thread / 1 x 1 thread (goal >= 1.85, limit 2.0)":
             median["02, 2 processes x 1 thread, batch 64 each"] / median["02, 1 process x 1 thread, batch 128"],
+        "the machine's ceiling for that: two separate processes / one (no DDP)":
+            median["two separate 00 processes at once x 1 thread, batch 64 each"]
+            / median["00, 1 process x 1 thread, batch 64"],
         "framework overhead: 02 / bare DDP loop (goal >= 0.97)":
             median["02, 2 processes x 1 thread, batch 64 each"] / median["bare DDP loop, 2 processes x 1 thread"],
         "fault tolerance: 04 / 02, same layout":
@@ -156,7 +167,7 @@ def main():
     ratio_rows = list(ratios.items())
     header = f"Measured {date.today()} on {machine()}; median of {args.repeats} repeats, synthetic data, cnn model."
     table = ["| measurement | value |", "|---|---|"]
-    table += [f"| {name} | {value:.0f} samples/s |" if "(" not in name else f"| {name} | {value:.2f} |"
+    table += [f"| {name} | {value:.2f} |" if name.endswith(")") else f"| {name} | {value:.0f} samples/s |"
               for name, value in median.items()]
     table += [f"| **{name}** | **{value:.3f}** |" for name, value in ratio_rows]
     text = header + "\n\n" + "\n".join(table) + "\n"
@@ -167,7 +178,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    throughput = {name: value for name, value in median.items() if "(" not in name}
+    throughput = {name: value for name, value in median.items() if not name.endswith(")")}
     fig, axis = plt.subplots(figsize=(9, 4))
     axis.barh(list(throughput), list(throughput.values()), color="C0")
     for y, value in enumerate(throughput.values()):
