@@ -1,25 +1,63 @@
 """The failures docs/troubleshooting.md describes, reproduced: each one fails the way the guide says, with
 the message the guide quotes, in bounded time."""
+import re
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import PYTHON, finish, free_port, run, run_group, start
+from helpers import PYTHON, finish, free_port, kill_tree, run, run_group, start
 from test_multinode import TRAIN, node_command
 from torch import nn
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-@pytest.mark.multihost
-def test_mismatched_nnodes_fails_on_both_nodes_after_the_join_timeout():
-    endpoint = f"127.0.0.1:{free_port()}"
+def wait_until_joined(endpoint, rdzv_id, timeout=60):
+    """Waits until the first agent has joined the rendezvous, so that the second one joins after it.
+    Reads torchrun's c10d rendezvous state in its TCPStore (a private layout: a key per run id, holding a
+    sentinel until the first node adds itself)."""
+    host, port = endpoint.split(":")
+    key, empty = "torch.rendezvous." + rdzv_id, C10dRendezvousBackend._NULL_SENTINEL.encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+            if store.check([key]) and store.get(key) != empty:
+                return
+        except (RuntimeError, TimeoutError):
+            pass  # the agent has not opened its store yet
+        time.sleep(0.2)
+    raise AssertionError(f"no node joined rendezvous {rdzv_id} at {endpoint} within {timeout} s")
+
+def mismatched_nodes(first_nnodes, second_nnodes):
+    """Two agents that disagree on --nnodes, the second started once the first has joined."""
+    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"mismatch-{first_nnodes}-{second_nnodes}"
     began = time.monotonic()
-    agents = [start(node_command(endpoint, "mismatch", *TRAIN, nnodes=nnodes, join_timeout=15)) for nnodes in (2, 3)]
-    results = [finish(agent, timeout=120) for agent in agents]
-    assert all(result.returncode != 0 for result in results)
+    first = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=first_nnodes, join_timeout=15))
+    try:
+        wait_until_joined(endpoint, rdzv_id)
+    except AssertionError:
+        kill_tree(first.pid)
+        raise
+    second = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=second_nnodes, join_timeout=15))
+    results = [finish(agent, timeout=120) for agent in (first, second)]
+    return results, time.monotonic() - began
+
+@pytest.mark.multihost
+def test_mismatched_nnodes_fails_on_both_nodes_when_the_smaller_count_joins_first():
+    results, seconds = mismatched_nodes(2, 3)
+    assert [result.returncode != 0 for result in results] == [True, True], results[1].stdout[-2000:]
     assert "RendezvousTimeoutError" in results[0].stdout
-    assert time.monotonic() - began < 90
+    assert seconds < 90
+
+@pytest.mark.multihost
+def test_mismatched_nnodes_trains_on_the_smaller_count_when_it_joins_last():
+    results, _ = mismatched_nodes(3, 2)
+    assert [result.returncode for result in results] == [0, 0], results[0].stdout[-2000:]
+    # The node told --nnodes=3 ran as one of 2 ranks: only the start-up line shows it.
+    assert re.search(r"local rank 0: rank \d of 2\b", results[0].stdout)
 
 @pytest.mark.launch
 def test_legacy_launcher_passes_a_local_rank_argument_the_scripts_do_not_take():
