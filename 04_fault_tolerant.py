@@ -308,7 +308,9 @@ def main(args):
         model.load_state_dict(snapshot["model"])
     # DDP copies rank 0's weights and buffers to all processes now, and averages gradients in backward(). BatchNorm
     # normalizes per process; rank 0's running stats are copied to all at every forward (tiny batches: SyncBatchNorm)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # device_ids: GPU only
+    # device_ids: GPU only. gradient_as_bucket_view: the gradients are views into the buffers DDP all-reduces,
+    # which saves copying them in and out (measured +3 % on 2 CPU processes, see benchmarks/)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:
         model = torch.compile(model)

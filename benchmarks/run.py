@@ -1,12 +1,14 @@
 """What DDP costs, how it scales, and what fault tolerance costs, measured with the tutorial's own scripts.
 
-    .venv/bin/python benchmarks/run.py                 # about 12 minutes on 2 cores (5 repeats)
+    .venv/bin/python benchmarks/run.py                 # about 20 minutes on 2 cores (5 repeats)
     .venv/bin/python benchmarks/run.py --repeats 3
 
-Every configuration runs once per repeat, all of them side by side in each repeat, and the table reports
-medians: ratios measured in the same conditions are what this noisy machine can give. Throughput is the
-steady state (epochs after the first, training only); start-up (launch to training: imports, process group,
-data, model) is reported apart. Prints a table and writes benchmarks/results.md and benchmarks/results.png.
+Every configuration runs once per repeat, all of them side by side in each repeat; each ratio is taken
+within a repeat, and the table reports the median over repeats with the smallest and largest: ratios measured
+in the same conditions are what this noisy machine can give. Throughput is the steady state (epochs after the
+first, training only); start-up (launch to training: imports, process group, data, model) is reported apart.
+Prints a table and writes benchmarks/results.md, benchmarks/results.png and the raw figures,
+benchmarks/results.json (`--table-only` redraws the table and plot from them).
 """
 import argparse
 import json
@@ -101,9 +103,24 @@ def one_repeat(folder, repeat):
     wall, lines = with_metrics(run(script("02_torchrun.py", 2, metrics=m("02x2"))), m("02x2"))
     results["02, 2 processes x 1 thread, batch 64 each"] = steady(lines)
     results["start-up: launch to training, 02 x 2 (s)"] = startup(lines)
-    # framework overhead: a bare DDP loop on the same model, data and batch
-    _, lines = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "benchmarks/bare_ddp.py", *DATA[:2], *DATA[4:]])
-    results["bare DDP loop, 2 processes x 1 thread"] = steady(lines)
+    # framework overhead: a bare DDP loop on the same model, data and batch; and where scaling is lost: the
+    # same loop without communication, with only the waiting, and without gradient_as_bucket_view. Their order
+    # turns with each repeat: in a fixed order the one that ran first was the slowest in 4 of 5 repeats, and
+    # order could not be told apart from effect.
+    bare = [TORCHRUN, "--standalone", "--nproc_per_node=2", "benchmarks/bare_ddp.py", *DATA[:2], *DATA[4:]]
+    variants = [("bare DDP loop, 2 processes x 1 thread", []),
+                ("bare loop, 2 x 1 thread, no communication (no_sync)", ["--communication=none"]),
+                ("bare loop, 2 x 1 thread, a barrier per step only", ["--communication=barrier"]),
+                ("bare DDP loop, 2 x 1 thread, without gradient_as_bucket_view", ["--no-bucket-view"])]
+    for name, extra in variants[repeat % 4:] + variants[:repeat % 4]:
+        results[name] = steady(run([*bare, *extra])[1])
+    # the DDP wrapper's cost to one process, step by step, with and without gradient_as_bucket_view
+    wrapper = [TORCHRUN, "--standalone", "--nproc_per_node=1", "benchmarks/ddp_wrapper_cost.py"]
+    for suffix, extra in (("", []), (", gradient_as_bucket_view", ["--bucket-view"])):
+        _, lines = run([*wrapper, *extra], threads=2)
+        step = json.loads(lines[-1][1])
+        results[f"1 process x 2 threads{suffix}, step time plain (ms)"] = step["plain_ms"]
+        results[f"1 process x 2 threads{suffix}, step time in DDP (ms)"] = step["ddp_ms"]
     # fault tolerance: snapshots at the default interval, and the time a killed worker costs
     snapshot = folder / f"snapshot-{repeat}.pt"
     wall_ft, lines = with_metrics(run(script("04_fault_tolerant.py", 2, "--checkpoint", str(snapshot),
@@ -131,6 +148,36 @@ def one_repeat(folder, repeat):
     return results
 
 
+UNITS = ("(s)", "(ms)", "(%)")  # rows in these units; every other row is a throughput in samples/s
+RATIOS = {
+    "DDP overhead: 02 x 1 / 00 (goal >= 0.97)":
+        lambda r: r["02, 1 process x 2 threads, DDP"] / r["00, 1 process x 2 threads"],
+    "scaling: 2 x 1 thread / 1 x 1 thread (goal >= 1.85, limit 2.0)":
+        lambda r: r["02, 2 processes x 1 thread, batch 64 each"] / r["02, 1 process x 1 thread, batch 128"],
+    "the machine's ceiling for that: two separate processes / one (no DDP)":
+        lambda r: r["two separate 00 processes at once x 1 thread, batch 64 each"]
+        / r["00, 1 process x 1 thread, batch 64"],
+    "framework overhead: 02 / bare DDP loop (goal >= 0.97)":
+        lambda r: r["02, 2 processes x 1 thread, batch 64 each"] / r["bare DDP loop, 2 processes x 1 thread"],
+    "fault tolerance: 04 / 02, same layout":
+        lambda r: r["04, 2 processes x 1 thread, snapshots every 50 steps"]
+        / r["02, 2 processes x 1 thread, batch 64 each"],
+    "DDP wrapper, step by step: plain / DDP, 1 process":
+        lambda r: r["1 process x 2 threads, step time plain (ms)"] / r["1 process x 2 threads, step time in DDP (ms)"],
+    "same, with gradient_as_bucket_view":
+        lambda r: r["1 process x 2 threads, gradient_as_bucket_view, step time plain (ms)"]
+        / r["1 process x 2 threads, gradient_as_bucket_view, step time in DDP (ms)"],
+    "2 ranks waiting for each other: barrier only / no communication":
+        lambda r: r["bare loop, 2 x 1 thread, a barrier per step only"]
+        / r["bare loop, 2 x 1 thread, no communication (no_sync)"],
+    "2 ranks exchanging gradients: all-reduce / no communication":
+        lambda r: r["bare DDP loop, 2 processes x 1 thread"] / r["bare loop, 2 x 1 thread, no communication (no_sync)"],
+    "gradient_as_bucket_view, 2 ranks: with / without":
+        lambda r: r["bare DDP loop, 2 processes x 1 thread"]
+        / r["bare DDP loop, 2 x 1 thread, without gradient_as_bucket_view"],
+}
+
+
 def machine():
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
@@ -140,54 +187,62 @@ def machine():
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="ddp-steps-bench-"))
-    repeats = []
-    for repeat in range(args.repeats):
-        print(f"repeat {repeat + 1}/{args.repeats} ...", flush=True)
-        repeats.append(one_repeat(folder, repeat))
+def summarize(measured):
+    """The medians, the ratios (median, smallest, largest over repeats) and the markdown table of a run's raw
+    figures."""
+    repeats = measured["repeats"]
     median = {name: statistics.median(r[name] for r in repeats) for name in repeats[0]}
-    ratios = {
-        "DDP overhead: 02 x 1 / 00 (goal >= 0.97)":
-            median["02, 1 process x 2 threads, DDP"] / median["00, 1 process x 2 threads"],
-        "scaling: 2 x 1 thread / 1 x 1 thread (goal >= 1.85, limit 2.0)":
-            median["02, 2 processes x 1 thread, batch 64 each"] / median["02, 1 process x 1 thread, batch 128"],
-        "the machine's ceiling for that: two separate processes / one (no DDP)":
-            median["two separate 00 processes at once x 1 thread, batch 64 each"]
-            / median["00, 1 process x 1 thread, batch 64"],
-        "framework overhead: 02 / bare DDP loop (goal >= 0.97)":
-            median["02, 2 processes x 1 thread, batch 64 each"] / median["bare DDP loop, 2 processes x 1 thread"],
-        "fault tolerance: 04 / 02, same layout":
-            median["04, 2 processes x 1 thread, snapshots every 50 steps"]
-            / median["02, 2 processes x 1 thread, batch 64 each"],
-    }
-    ratio_rows = list(ratios.items())
-    header = f"Measured {date.today()} on {machine()}; median of {args.repeats} repeats, synthetic data, cnn model."
+    # Each ratio is taken within each repeat (the two runs it compares ran minutes apart at most), then the
+    # median over repeats is reported with the smallest and largest: the spread is this machine's noise.
+    per_repeat = {name: [ratio(r) for r in repeats] for name, ratio in RATIOS.items()}
+    ratios = {name: (statistics.median(values), min(values), max(values)) for name, values in per_repeat.items()}
+    header = (f"Measured {measured['date']} on {measured['machine']}; median of {len(repeats)} repeats, synthetic "
+              "data, cnn model. Ratios: median of the per-repeat ratios (smallest–largest).")
     table = ["| measurement | value |", "|---|---|"]
-    table += [f"| {name} | {value:.2f} |" if name.endswith(")") else f"| {name} | {value:.0f} samples/s |"
+    table += [f"| {name} | {value:.2f} |" if name.endswith(UNITS) else f"| {name} | {value:.0f} samples/s |"
               for name, value in median.items()]
-    table += [f"| **{name}** | **{value:.3f}** |" for name, value in ratio_rows]
-    text = header + "\n\n" + "\n".join(table) + "\n"
-    print("\n" + text)
-    (REPO / "benchmarks/results.md").write_text(text)
+    table += [f"| **{name}** | **{value:.3f}** ({low:.3f}–{high:.3f}) |" for name, (value, low, high) in ratios.items()]
+    return median, ratios, header + "\n\n" + "\n".join(table) + "\n"
 
+
+def plot(median, ratios, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    throughput = {name: value for name, value in median.items() if not name.endswith(")")}
-    fig, axis = plt.subplots(figsize=(9, 4))
+    throughput = {name: value for name, value in median.items() if not name.endswith(UNITS)}
+    fig, axis = plt.subplots(figsize=(9, 4.5))
     axis.barh(list(throughput), list(throughput.values()), color="C0")
     for y, value in enumerate(throughput.values()):
         axis.text(value, y, f" {value:.0f}", va="center")
     axis.invert_yaxis()
     axis.set_xlabel("training samples/s (steady state, median)")
-    axis.set_title("\n".join(f"{name.split(' (')[0]}: {value:.2f}" for name, value in ratio_rows), fontsize=9)
+    axis.set_title("\n".join(f"{name.split(' (')[0]}: {value:.2f}" for name, (value, _, _) in
+                             list(ratios.items())[:6]), fontsize=9)
     fig.tight_layout()
-    fig.savefig(REPO / "benchmarks/results.png", dpi=100)
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--table-only", action="store_true",
+                        help="measure nothing: redo the table and plot from the raw figures of the last run")
+    args = parser.parse_args()
+    raw = REPO / "benchmarks/results.json"  # every repeat's figures, written as they come
+    if args.table_only:
+        measured = json.loads(raw.read_text())
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="ddp-steps-bench-"))
+        measured = {"date": str(date.today()), "machine": machine(), "repeats": []}
+        for repeat in range(args.repeats):
+            print(f"repeat {repeat + 1}/{args.repeats} ...", flush=True)
+            measured["repeats"].append(one_repeat(folder, repeat))
+            raw.write_text(json.dumps(measured, indent=1) + "\n")
+    median, ratios, table = summarize(measured)
+    print("\n" + table)
+    (REPO / "benchmarks/results.md").write_text(table)
+    plot(median, ratios, REPO / "benchmarks/results.png")
     print("wrote benchmarks/results.md and benchmarks/results.png")
 
 

@@ -1,12 +1,13 @@
 """The repository keeps its own promises: diffs that are one lesson each and never stale, standalone
 scripts with the same flags, ruff-clean code, and a README whose commands are the ones the tests run."""
 import ast
+import json
 import subprocess
 import sys
 
 import pytest
 from conftest import DOCUMENTED
-from helpers import PYTHON, REPO, SCRIPTS
+from helpers import PYTHON, REPO, SCRIPTS, load_script
 from test_multinode import node_command
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -63,3 +64,10 @@ def test_readme_shows_the_commands_the_tests_run():
            "04_fault_tolerant.py --checkpoint snapshot.pt" in readme, "the command tests/test_fault_tolerance.py runs"
     for target in ("make demo", "make test"):
         assert target in readme
+
+
+def test_the_published_benchmark_table_is_what_the_committed_raw_figures_give():
+    benchmark = load_script("benchmarks/run.py")
+    _, _, table = benchmark.summarize(json.loads((REPO / "benchmarks/results.json").read_text()))
+    assert (REPO / "benchmarks/results.md").read_text() == table, "run: .venv/bin/python benchmarks/run.py --table-only"
+    assert table in (REPO / "README.md").read_text(), "README's performance section: paste benchmarks/results.md"
