@@ -1,6 +1,6 @@
 """What DDP costs, how it scales, and what fault tolerance costs, measured with the tutorial's own scripts.
 
-    .venv/bin/python benchmarks/run.py                 # about 20 minutes on 2 cores (5 repeats)
+    .venv/bin/python benchmarks/run.py                 # about 22 minutes on 2 cores (5 repeats)
     .venv/bin/python benchmarks/run.py --repeats 3
 
 Every configuration runs once per repeat, all of them side by side in each repeat; each ratio is taken
