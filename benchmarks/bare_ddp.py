@@ -10,22 +10,16 @@ adds only a barrier per step (the ranks wait for each other, but exchange no gra
 """
 import argparse
 import contextlib
-import importlib.util
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _shared import start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-
-spec = importlib.util.spec_from_file_location("step02", Path(__file__).resolve().parents[1] / "02_torchrun.py")
-step02 = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step02)  # its model and data, so that only the loop differs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--train-samples", type=int, default=4096)
@@ -35,9 +29,7 @@ parser.add_argument("--communication", choices=["all-reduce", "barrier", "none"]
 parser.add_argument("--no-bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=False)")
 args = parser.parse_args()
 
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # the benchmark always sets it
-dist.init_process_group("gloo")
-torch.manual_seed(0)
+start()
 data = step02.SyntheticImages(args.train_samples, seed=0)
 sampler = DistributedSampler(data, seed=0, drop_last=True)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)

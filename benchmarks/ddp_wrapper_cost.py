@@ -9,21 +9,15 @@ Prints one JSON line: median step times (ms) and their ratio, plain / DDP (1.0 =
 """
 import argparse
 import copy
-import importlib.util
 import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _shared import start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-spec = importlib.util.spec_from_file_location("step02", Path(__file__).resolve().parents[1] / "02_torchrun.py")
-step02 = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step02)  # its model and data
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
@@ -31,9 +25,7 @@ parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
 args = parser.parse_args()
 
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-dist.init_process_group("gloo")
-torch.manual_seed(0)
+start()
 data = step02.SyntheticImages(args.batch_size * 8, seed=0)
 batches = [(torch.stack([data[i][0] for i in range(b, b + args.batch_size)]),
             torch.tensor([data[i][1] for i in range(b, b + args.batch_size)]))

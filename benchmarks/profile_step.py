@@ -6,31 +6,23 @@ other rank). The benchmark's scaling figure (benchmarks/run.py) comes with this 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/profile_step.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=1 benchmarks/profile_step.py   # to compare
 """
-import importlib.util
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _shared import start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-spec = importlib.util.spec_from_file_location("step02", Path(__file__).resolve().parents[1] / "02_torchrun.py")
-step02 = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step02)
-
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-dist.init_process_group("gloo")
+start()
 rank = dist.get_rank()
-torch.manual_seed(0)
 data = step02.SyntheticImages(64 * 2 * 60, seed=0)
 sampler = DistributedSampler(data, seed=0, drop_last=True)
 loader = iter(DataLoader(data, batch_size=64, sampler=sampler, drop_last=True))
-model = DDP(step02.build_model("cnn", 10))
+model = DDP(step02.build_model("cnn", 10), gradient_as_bucket_view=True)  # as in the scripts
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
