@@ -1,5 +1,5 @@
-"""The notebooks: their committed cells are the ones tools/notebooks.py builds, their committed outputs
-were produced by those cells (and hold the promised plots, and nothing about the machine that made them),
+"""The notebooks: their committed cells are their lesson sources' (notebooks/NN_name.md), their committed
+outputs were produced by those cells (and hold the promised plots, and nothing about the machine that made them),
 and each one runs from a clean kernel."""
 import re
 import socket
@@ -12,7 +12,7 @@ from helpers import REPO
 sys.path.insert(0, str(REPO / "tools"))
 import notebooks as builder  # noqa: E402
 
-NAMES = list(builder.NOTEBOOKS)
+NAMES = builder.names()
 
 
 def committed(name):
@@ -23,8 +23,9 @@ def outputs(notebook):
     return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
 
 
-def test_committed_cells_are_the_builders_and_were_executed_as_they_are():
-    """A changed cell without regenerated outputs fails here: run python tools/notebooks.py."""
+def test_committed_cells_are_the_lesson_sources_and_were_executed_as_they_are():
+    """A changed lesson, script or _support.py without regenerated outputs fails here: run
+    python tools/notebooks.py."""
     assert builder.check() == 0
 
 
