@@ -23,7 +23,7 @@ from torchvision import transforms
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="%(prog)s [options] (see --help)",
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=argparse.SUPPRESS,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
@@ -47,14 +47,19 @@ def parse_args(argv=None):
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--tensorboard", default=None, metavar="DIR", help="write TensorBoard logs here")
     parser.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON line per epoch here")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a collective waits for a missing "
+                        "process before it fails (the steps with several processes)")
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "save_every", "grad_accum", "train_samples", "val_samples"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.num_workers < 0:
         parser.error(f"--num-workers must be 0 or more, got {args.num_workers}")
-    if args.data not in ("synthetic", "cifar10") and not os.path.isdir(os.path.join(args.data, "train")):
-        parser.error(f"--data {args.data}: not 'synthetic' or 'cifar10', and {args.data}/train is not a directory")
+    if not (0 < args.lr < float("inf") and 0 < args.timeout < float("inf")):
+        parser.error(f"--lr and --timeout must be positive numbers, got {args.lr} and {args.timeout}")
+    if args.model != "cnn" and args.model not in torchvision.models.list_models(torchvision.models):
+        parser.error(f"--model {args.model}: unknown; use 'cnn' or a torchvision classification model, listed by "
+                     "python -c 'import torchvision; print(torchvision.models.list_models(torchvision.models))'")
     if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
         parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
     if args.evaluate and not os.path.isfile(args.evaluate):
@@ -62,6 +67,51 @@ def parse_args(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but PyTorch sees no GPU")
     return args
+
+
+def check_inputs(args, world_size):
+    """Refuses, in one line and before any process group forms, an input that could only fail later or train
+    silently on nothing. --help lists the flags; the README's flag table lists what is refused."""
+    def refuse(message):
+        sys.exit(f"error: {message}")
+
+    num_classes, train_samples = 10, args.train_samples or 16_000  # the built-in data: any size, 10 classes
+    if args.data == "cifar10":
+        train_samples = min(50_000, args.train_samples or 50_000)
+    elif args.data != "synthetic":  # an ImageFolder: train/ and val/, each with one folder of images per class
+        images = {}
+        for split in ("train", "val"):
+            folder = os.path.join(args.data, split)
+            if not os.path.isdir(folder):
+                refuse(f"--data {args.data}: no {split}/ folder (expected {args.data}/train/CLASS/IMAGE and val/)")
+            classes = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+            images[split] = {name: sum(file.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)  # as
+                                       for _, _, files in os.walk(os.path.join(folder, name), followlinks=True)
+                                       for file in files) for name in classes}  # ImageFolder finds them
+            if not images[split] or 0 in images[split].values():
+                empty = [name for name, count in images[split].items() if count == 0]
+                refuse(f"--data {args.data}: {split}/ has " + (f"no images in {', '.join(empty)}/" if empty else
+                                                                "no class folders"))
+        if list(images["train"]) != list(images["val"]):  # ImageFolder numbers classes per split, by name
+            refuse(f"--data {args.data}: train/ and val/ hold different class folders, so their labels would not "
+                   f"match: {sorted(set(images['train']) ^ set(images['val']))}")
+        num_classes = len(images["train"])
+        train_samples = min(sum(images["train"].values()), args.train_samples or sum(images["train"].values()))
+    global_batch = args.batch_size * world_size * args.grad_accum
+    if train_samples < global_batch:  # drop_last: not one step would be taken
+        refuse(f"{train_samples} training samples are fewer than one global batch: --batch-size {args.batch_size} "
+               f"x {world_size} processes x --grad-accum {args.grad_accum} = {global_batch}")
+    try:  # a dry run on the meta device (no memory, no compute): can the model take 32x32 images at all?
+        with torch.device("meta"):
+            build_model(args.model, num_classes)(torch.empty(2, 3, 32, 32))
+    except NotImplementedError:
+        pass  # a few models cannot be built on the meta device: they meet real images instead
+    except (RuntimeError, AssertionError, ValueError) as error:
+        refuse(f"--model {args.model} cannot take 32x32 images: {str(error).splitlines()[0]}")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and (os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            refuse(f"{flag} {path}: not a file in a folder that exists and is writable")
 
 
 class SyntheticImages(Dataset):
@@ -99,13 +149,20 @@ def build_datasets(args):
             train_set = torchvision.datasets.CIFAR10(args.data_dir, True, to_tensor, download=args.download)
             val_set = torchvision.datasets.CIFAR10(args.data_dir, False, to_tensor, download=args.download)
         else:
-            train_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "train"), to_tensor)
-            val_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "val"), to_tensor)
+            train_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "train"), to_tensor, loader=load_image)
+            val_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "val"), to_tensor, loader=load_image)
         num_classes = len(train_set.classes)
         train_set = Subset(train_set, range(min(len(train_set), args.train_samples or len(train_set))))
         val_set = Subset(val_set, range(min(len(val_set), args.val_samples or len(val_set))))
         return train_set, val_set, num_classes
     return train_set, val_set, len(train_set.classes)
+
+
+def load_image(path):
+    try:
+        return torchvision.datasets.folder.default_loader(path)
+    except OSError as error:  # a broken file found mid-training: name it, rather than a bare PIL traceback
+        sys.exit(f"error: unreadable image {path}: {error}")
 
 
 def build_model(name, num_classes):
@@ -115,7 +172,8 @@ def build_model(name, num_classes):
         return nn.Sequential(*block(3, 32), nn.MaxPool2d(2), *block(32, 64), nn.MaxPool2d(2), *block(64, 128),
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes))
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    if hasattr(model, "conv1") and hasattr(model, "maxpool"):  # ResNets: keep 32x32 inputs from shrinking to 1x1
+    # ResNets (and the like): keep 32x32 inputs from shrinking to 1x1
+    if isinstance(getattr(model, "conv1", None), nn.Conv2d) and hasattr(model, "maxpool"):
         model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model
@@ -188,9 +246,11 @@ def save_checkpoint(path, model, args, epoch, num_classes):
 def evaluate_checkpoint(args):
     """Loads a checkpoint written by any numbered script and evaluates it in this one process."""
     device = choose_device(args.device)
-    # weights_only: a checkpoint is a pickle, and unpickling an untrusted one could run arbitrary code
-    checkpoint = torch.load(args.evaluate, map_location=device, weights_only=True)
-    saved = argparse.Namespace(**{**checkpoint["args"], "train_samples": 1})  # its data, model, seed
+    try:  # weights_only: a checkpoint is a pickle, and unpickling an untrusted one could run arbitrary code
+        checkpoint = torch.load(args.evaluate, map_location=device, weights_only=True)
+        saved = argparse.Namespace(**{**checkpoint["args"], "train_samples": 1})  # its data, model, seed
+    except Exception as error:  # not a torch file, or a torch file of something else
+        sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({type(error).__name__})")
     _, val_set, _ = build_datasets(saved)
     model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
     model.load_state_dict(checkpoint["model"])
@@ -232,8 +292,8 @@ def main(args):
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
         log(f"epoch {epoch}/{args.epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
             f"val acc {val_accuracy:.2%}  {samples_per_s:.0f} samples/s  {time.perf_counter() - start:.1f} s")
-        metrics = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
-                   "samples_per_s": samples_per_s, "world_size": 1}
+        metrics = {"epoch": epoch, "train_samples": samples, "train_loss": train_loss, "val_loss": val_loss,
+                   "val_accuracy": val_accuracy, "samples_per_s": samples_per_s, "world_size": 1}
         if args.metrics:
             with open(args.metrics, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -254,4 +314,5 @@ if __name__ == "__main__":
     if args.evaluate:
         evaluate_checkpoint(args)
     else:
+        check_inputs(args, world_size=1)
         main(args)
