@@ -1,6 +1,6 @@
 """Every script under every launcher a workshop uses: torchrun with one process runs 00 and 01 as plain python;
 bad input and the wrong launcher give a clear one-line error and a non-zero exit within seconds (never a hang,
-a silent no-op, or a wall of traceback)."""
+a silent no-op, or a wall of traceback). tests/test_refused_input.py holds the full table of refused input."""
 import pytest
 from helpers import PYTHON, run, torchrun
 
@@ -9,7 +9,7 @@ pytestmark = pytest.mark.launch
 CASES = {
     "zero batch size": ([PYTHON, "00_single_gpu.py", "--batch-size", "0"], "--batch-size must be at least 1"),
     "negative epochs": ([PYTHON, "01_mp_spawn.py", "--epochs", "-1"], "--epochs must be at least 1"),
-    "missing data path": ([PYTHON, "02_torchrun.py", "--data", "/no/such/dir"], "/no/such/dir/train is not a dir"),
+    "missing data path": ([PYTHON, "00_single_gpu.py", "--data", "/no/such/dir"], "/no/such/dir: no train/ folder"),
     "cifar10 not downloaded": ([PYTHON, "01_mp_spawn.py", "--data", "cifar10", "--data-dir", "/nonexistent"],
                                "--data cifar10: not found in /nonexistent/; add --download"),
     "missing checkpoint": ([PYTHON, "00_single_gpu.py", "--evaluate", "nope.pt"], "--evaluate nope.pt: no such file"),
