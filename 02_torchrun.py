@@ -322,7 +322,7 @@ def main(args):
         writer = SummaryWriter(args.tensorboard)
 
     log(f"{args.model} on {device}: {len(train_set)} train / {len(val_set)} val samples, "
-        f"batch {args.batch_size}")
+        f"batch {args.batch_size}, {torch.get_num_threads()} CPU threads per process")
     for epoch in range(1, args.epochs + 1):
         train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one in every process
         start = time.perf_counter()

@@ -428,7 +428,7 @@ def main(args):
         writer = SummaryWriter(args.tensorboard)
 
     log(f"{args.model} on {device}: {len(train_set)} train / {len(val_set)} val samples, "
-        f"batch {args.batch_size}")
+        f"batch {args.batch_size}, {torch.get_num_threads()} CPU threads per process")
     for epoch in range(start_epoch, args.epochs + 1):
         # DistributedSampler cannot start mid-epoch: shuffle here, skip what all ranks together trained on before
         # a restart (whatever the world size was then), and give each rank every world_size-th of the rest

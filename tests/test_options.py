@@ -1,10 +1,12 @@
 """The options every script shares work for real: an ImageFolder of PNG files, and AMP, gradient
 accumulation, torch.compile and TensorBoard together under DDP."""
 import json
+import os
+import shutil
 
 import pytest
 import torch
-from helpers import PYTHON, read_metrics, run_ok, torchrun
+from helpers import PYTHON, clean_env, read_metrics, run_ok, torchrun
 from PIL import Image
 
 pytestmark = pytest.mark.launch
@@ -41,3 +43,13 @@ def test_amp_accumulation_compile_and_tensorboard_together_under_ddp(tmp_path):
                     "--metrics", tmp_path / "metrics.jsonl"), timeout=300)
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 1, "one line per epoch, from rank 0 only"
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1, "one TensorBoard writer: rank 0"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None, reason="needs taskset")
+def test_processes_share_the_cores_they_may_use_not_the_machines():
+    """Slurm (--cpus-per-task) and containers restrict a job to some cores; os.cpu_count() would still count
+    them all. Pinned to one core, the process takes one thread, not one per core of the machine."""
+    env = {key: value for key, value in clean_env().items() if key != "OMP_NUM_THREADS"}
+    output = run_ok(["taskset", "-c", "0", PYTHON, "01_mp_spawn.py", "--nproc", "1", "--train-samples", "64",
+                     "--val-samples", "16", "--epochs", "1"], env=env).stdout
+    assert "1 CPU threads per process" in output
