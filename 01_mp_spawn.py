@@ -162,8 +162,11 @@ def build_datasets(args):
             train_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "train"), to_tensor, loader=load_image)
             val_set = torchvision.datasets.ImageFolder(os.path.join(args.data, "val"), to_tensor, loader=load_image)
         num_classes = len(train_set.classes)
-        train_set = Subset(train_set, range(min(len(train_set), args.train_samples or len(train_set))))
-        val_set = Subset(val_set, range(min(len(val_set), args.val_samples or len(val_set))))
+        # N samples spread evenly over the set, not its first N: ImageFolder lists its samples class by class
+        train_count = min(len(train_set), args.train_samples or len(train_set))
+        val_count = min(len(val_set), args.val_samples or len(val_set))
+        train_set = Subset(train_set, [i * len(train_set) // train_count for i in range(train_count)])
+        val_set = Subset(val_set, [i * len(val_set) // val_count for i in range(val_count)])
         return train_set, val_set, num_classes
     return train_set, val_set, len(train_set.classes)
 

@@ -174,3 +174,11 @@ def test_a_preparation_slower_than_the_collective_timeout_does_not_time_out_the_
                  env=clean_env(DATA_PREPARE_DELAY=8), timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "epoch 1/1" in result.stdout
+
+
+def test_a_few_samples_of_an_image_folder_come_from_every_class(tmp_path):
+    """ImageFolder lists its samples class by class: --train-samples 2 of two classes must not mean class0 only."""
+    args = load_script("00_single_gpu.py").parse_args(["--data", str(image_folder(tmp_path)), "--train-samples", "2",
+                                                       "--val-samples", "2"])
+    train_set, val_set, _ = load_script("00_single_gpu.py").build_datasets(args)
+    assert sorted(label for _, label in train_set) == [0, 1] and sorted(label for _, label in val_set) == [0, 1]
