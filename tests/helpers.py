@@ -3,6 +3,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -136,3 +138,98 @@ def group_worker(rank, world_size, port, results_dir, worker, args, collective_t
     # Leave at once, without tearing the group down: some tests break it on purpose, and gloo's teardown
     # while a peer is already gone can abort ("terminate called without an active exception").
     os._exit(0)
+
+
+# --- separate hosts: network namespaces joined by veth pairs -------------------------------------------------
+
+HOSTS = {"nodeA": "10.200.0.1", "nodeB": "10.200.0.2"}  # addresses that exist only inside the namespaces
+DATA_LINK = {"nodeA": "10.201.0.1", "nodeB": "10.201.0.2"}  # a second network, as a cluster's fast fabric
+
+
+def in_host(name, command):
+    """`command` on host `name`: inside its network namespace, in a UTS namespace with its own hostname."""
+    return ["ip", "netns", "exec", f"ddp-{name}", "unshare", "--uts", "sh", "-c",
+            f'hostname {name} && exec "$@"', "sh", *map(str, command)]
+
+
+def on_host(name, *command):
+    """Runs a short command (ip, cat) in host `name`'s network namespace and returns its output."""
+    result = subprocess.run(["ip", "netns", "exec", f"ddp-{name}", *command], check=True, capture_output=True,
+                            text=True, timeout=30)
+    return result.stdout
+
+
+def sh(*command):
+    subprocess.run(command, check=True, capture_output=True, timeout=30)
+
+
+def hosts_file(name, self_on_loopback):
+    """The /etc/hosts host `name` sees. On a host in `self_on_loopback` its own name maps to 127.0.1.1, as
+    Debian's installer writes it, instead of the address the other host knows it by."""
+    lines = ["127.0.0.1 localhost"]
+    for host, address in HOSTS.items():
+        lines.append(f"127.0.1.1 {host}" if host == name and name in self_on_loopback else f"{address} {host}")
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def separate_hosts(self_on_loopback=(), data_link=False):
+    """Two hosts, nodeA and nodeB, joined by a veth pair (and by a second one, `data-nodeA`/`data-nodeB`, with
+    `data_link`), each resolving names through the hosts file that `ip netns exec` puts over /etc/hosts.
+    Skips without root or iproute2. Everything made here is removed again, even on failure: deleting a
+    namespace deletes its ends of the veth pairs, and so the pairs."""
+    missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (iproute2, util-linux)")
+    try:
+        sh("ip", "netns", "add", "ddp-probe")
+        sh("ip", "netns", "del", "ddp-probe")
+    except (subprocess.CalledProcessError, PermissionError) as error:
+        pytest.skip(f"cannot create network namespaces (needs root): {error}")
+    made = []
+    try:
+        for name in HOSTS:
+            sh("ip", "netns", "add", f"ddp-{name}")
+            made.append(name)
+            hosts = Path(f"/etc/netns/ddp-{name}/hosts")
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(hosts_file(name, self_on_loopback))
+            on_host(name, "ip", "link", "set", "lo", "up")
+        for prefix, addresses in [("veth", HOSTS), *([("data", DATA_LINK)] if data_link else [])]:
+            sh("ip", "link", "add", f"{prefix}-nodeA", "netns", "ddp-nodeA", "type", "veth", "peer", "name",
+               f"{prefix}-nodeB", "netns", "ddp-nodeB")
+            for name, address in addresses.items():
+                on_host(name, "ip", "addr", "add", f"{address}/24", "dev", f"{prefix}-{name}")
+                on_host(name, "ip", "link", "set", f"{prefix}-{name}", "up")
+        yield list(HOSTS)
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", f"ddp-{name}"], capture_output=True, timeout=30)
+            shutil.rmtree(f"/etc/netns/ddp-{name}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only if empty: it may hold other namespaces' files
+
+
+# --- the local Slurm cluster (slurm/local_cluster.sh; the `cluster` fixture is in tests/conftest.py) ---------
+
+SLURM = REPO / "slurm"
+CLUSTER_DIR = "/tmp/ddp-steps-slurm-tests"
+
+
+def slurm_env():
+    return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf")
+
+
+def submit(name, *args, wait=True, options=()):
+    """sbatch slurm/NAME from the repository root, as the README says; returns (result, job id, its log)."""
+    command = ["sbatch", "--parsable", *(["--wait"] if wait else []), *options, f"slurm/{name}", *args]
+    result = run(command, timeout=300, env=slurm_env())
+    job = result.stdout.strip().splitlines()[0].split(";")[0]
+    log = next(iter(SLURM.glob(f"logs/*-{job}.out")), None)
+    return result, job, log
+
+
+def read_log(log):
+    text = log.read_text()
+    log.unlink()
+    return text

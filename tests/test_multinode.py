@@ -2,15 +2,11 @@
 loopback, then as two separate hosts (network namespaces joined by a veth pair, each with its own hostname).
 Only global rank 0 writes the checkpoint, node-local work runs once per node, every rank ends with the same
 parameters, and a node that never comes makes the other fail in bounded time instead of hanging."""
-import contextlib
 import re
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from helpers import TORCHRUN, finish, free_port, start
+from helpers import TORCHRUN, finish, free_port, in_host, on_host, start
 
 pytestmark = pytest.mark.multihost
 
@@ -18,11 +14,11 @@ SCRIPT = "03_multinode.py"
 TRAIN = ["--train-samples", "1024", "--val-samples", "101", "--epochs", "1"]
 
 
-def node_command(endpoint, rdzv_id, *script_args, nnodes=2, join_timeout=60):
+def node_command(endpoint, rdzv_id, *script_args, nnodes=2, join_timeout=60, script=SCRIPT):
     """The README's multi-node command, with 1 process per node (2 cores for 2 nodes here)."""
     return [TORCHRUN, f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
             f"--rdzv_endpoint={endpoint}", f"--rdzv_id={rdzv_id}", f"--rdzv_conf=join_timeout={join_timeout}",
-            SCRIPT, *script_args]
+            script, *script_args]
 
 
 def identities(output):
@@ -69,59 +65,11 @@ def test_a_missing_node_fails_in_bounded_time_with_a_clear_message():
     assert elapsed < 90, f"took {elapsed:.0f} s"
 
 
-# --- two separate hosts -------------------------------------------------------------------------------------
-
-HOSTS = {"nodeA": "10.200.0.1", "nodeB": "10.200.0.2"}  # addresses that exist only inside the namespaces
-
-
-def in_host(name, command):
-    """`command` on host `name`: inside its network namespace, in a UTS namespace with its own hostname."""
-    return ["ip", "netns", "exec", f"ddp-{name}", "unshare", "--uts", "sh", "-c",
-            f'hostname {name} && exec "$@"', "sh", *map(str, command)]
-
-
-def sh(*command):
-    subprocess.run(command, check=True, capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def two_hosts():
-    """Two hosts, nodeA and nodeB, joined by a veth pair, each resolving the other's name through the hosts
-    file that `ip netns exec` puts over /etc/hosts. Everything made here is removed again, even on failure."""
-    missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (iproute2, util-linux)")
-    try:
-        sh("ip", "netns", "add", "ddp-probe")
-        sh("ip", "netns", "del", "ddp-probe")
-    except (subprocess.CalledProcessError, PermissionError) as error:
-        pytest.skip(f"cannot create network namespaces (needs root): {error}")
-    made = []
-    try:
-        for name in HOSTS:
-            sh("ip", "netns", "add", f"ddp-{name}")
-            made.append(name)
-            hosts = Path(f"/etc/netns/ddp-{name}/hosts")
-            hosts.parent.mkdir(parents=True, exist_ok=True)
-            hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in HOSTS.items()))
-            sh("ip", "netns", "exec", f"ddp-{name}", "ip", "link", "set", "lo", "up")
-        sh("ip", "link", "add", "veth-nodeA", "netns", "ddp-nodeA", "type", "veth", "peer", "name", "veth-nodeB",
-           "netns", "ddp-nodeB")
-        for name, address in HOSTS.items():
-            sh("ip", "netns", "exec", f"ddp-{name}", "ip", "addr", "add", f"{address}/24", "dev", f"veth-{name}")
-            sh("ip", "netns", "exec", f"ddp-{name}", "ip", "link", "set", f"veth-{name}", "up")
-        yield list(HOSTS)
-    finally:
-        for name in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", f"ddp-{name}"], capture_output=True, timeout=30)
-            shutil.rmtree(f"/etc/netns/ddp-{name}", ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path("/etc/netns").rmdir()  # only if empty: it may hold other namespaces' files
+# --- two separate hosts (the `two_hosts` fixture, tests/conftest.py) -------------------------------------------
 
 
 def bytes_sent(name):
-    command = ["ip", "netns", "exec", f"ddp-{name}", "cat", f"/sys/class/net/veth-{name}/statistics/tx_bytes"]
-    return int(subprocess.run(command, check=True, capture_output=True, text=True, timeout=30).stdout)
+    return int(on_host(name, "cat", f"/sys/class/net/veth-{name}/statistics/tx_bytes"))
 
 
 def test_two_separate_hosts(two_hosts, tmp_path):

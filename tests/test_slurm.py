@@ -1,23 +1,20 @@
 """Every sbatch file in slurm/, submitted unmodified to a real Slurm cluster on this machine (two nodes, n1
 and n2, with fake GPUs; started by slurm/local_cluster.sh), trains; 04's preemption path snapshots, requeues
 and resumes to exactly the parameters of an uninterrupted run. Plus static checks of every sbatch file."""
-import os
 import re
 import shutil
 import subprocess
 import time
 
 import pytest
-from helpers import REPO, clean_env, run
+from helpers import REPO, SLURM, read_log, run, slurm_env, submit
 
 pytestmark = pytest.mark.slurm
 
-SLURM = REPO / "slurm"
 SBATCH_FILES = sorted(path.name for path in SLURM.glob("*.sbatch"))
 TINY = ["--train-samples", "512", "--val-samples", "64", "--epochs", "1"]
 TRAIN_04 = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
             "--save-every-steps", "4"]
-CLUSTER_DIR = "/tmp/ddp-steps-slurm-tests"
 
 
 def header(path):
@@ -54,43 +51,8 @@ def test_sbatch_directives_are_well_formed_and_read_by_sbatch(name):
 
 @pytest.mark.parametrize("name", SBATCH_FILES)
 def test_sbatch_file_runs_a_script_that_exists(name):
-    scripts = set(re.findall(r"\b(\d\d_\w+\.py)\b", (SLURM / name).read_text()))
+    scripts = set(re.findall(r"\b(\d\d_\w+\.py|preflight\.py)\b", (SLURM / name).read_text()))
     assert scripts and all((REPO / script).exists() for script in scripts)
-
-
-def slurm_env():
-    return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """The real local cluster, up for this module and down again afterwards, even if a test fails."""
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster needs root")
-    missing = [tool for tool in ("slurmctld", "slurmd", "sbatch", "unshare") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)}): sudo slurm/local_cluster.sh install")
-    env = clean_env(DDP_STEPS_SLURM_DIR=CLUSTER_DIR)
-    result = run([SLURM / "local_cluster.sh", "up"], timeout=120, env=env)
-    try:
-        assert result.returncode == 0, result.stdout
-        yield
-    finally:
-        run([SLURM / "local_cluster.sh", "down"], timeout=120, env=env)
-
-
-def submit(name, *args, wait=True, options=()):
-    command = ["sbatch", "--parsable", *(["--wait"] if wait else []), *options, f"slurm/{name}", *args]
-    result = run(command, timeout=300, env=slurm_env())
-    job = result.stdout.strip().splitlines()[0].split(";")[0]
-    log = next(iter(SLURM.glob(f"logs/*-{job}.out")), None)
-    return result, job, log
-
-
-def read_log(log):
-    text = log.read_text()
-    log.unlink()
-    return text
 
 
 EXPECTED = {  # what each job's log must show: the nodes it ran on and how many ranks
