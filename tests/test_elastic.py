@@ -10,28 +10,28 @@ from helpers import TORCHRUN, clean_env, finish, free_port, kill_tree, read_metr
 
 pytestmark = pytest.mark.multihost
 
-SAMPLES, BATCH = 3072, 32
-TRAIN = ["--train-samples", str(SAMPLES), "--val-samples", "64", "--epochs", "1", "--batch-size", str(BATCH),
-         "--save-every-steps", "1"]
+BATCH = 32
+TRAIN = ["--val-samples", "64", "--epochs", "1", "--batch-size", str(BATCH), "--save-every-steps", "1"]
 
 
-def node_command(endpoint, hosts_store, snapshot, metrics):
+def node_command(endpoint, hosts_store, snapshot, metrics, samples):
     """The README's elastic command, one process per node. is_host names the node that keeps the rendezvous
     store (on one machine both would claim it); the store's node is the one that must stay up."""
     return [TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv_backend=c10d",
             f"--rdzv_endpoint={endpoint}", "--rdzv_id=elastic",
             f"--rdzv_conf=join_timeout=60,last_call_timeout=2,is_host={str(hosts_store).lower()}",
-            "04_fault_tolerant.py", *TRAIN, "--checkpoint", snapshot, "--metrics", metrics]
+            "04_fault_tolerant.py", *TRAIN, "--train-samples", samples, "--checkpoint", snapshot, "--metrics", metrics]
 
 
 # Snapshots every step, each held 0.1 s by rank 0: an epoch lasts long enough to change the world in it.
 ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, SNAPSHOT_WRITE_DELAY=0.1)
 
 
-def launch(tmp_path, name, snapshot, hosts_store, endpoint):
+def launch(tmp_path, name, hosts_store, endpoint, samples):
     log = tmp_path / f"{name}.log"
+    command = node_command(endpoint, hosts_store, tmp_path / "snapshot.pt", tmp_path / "metrics.jsonl", samples)
     with open(log, "w") as output:
-        agent = start(node_command(endpoint, hosts_store, snapshot, tmp_path / "metrics.jsonl"), ENV, output=output)
+        agent = start(command, ENV, output=output)
     return agent, log
 
 
@@ -49,24 +49,24 @@ def wait_for(pattern, *logs, timeout=90):
 SNAPSHOT_IN_EPOCH_1 = r"saved snapshot \S+ \(epoch 0, \+\d*[1-9]\d* samples\)"
 
 
-def check_the_epoch_is_trained_exactly_once(output, metrics, before, after):
+def check_the_epoch_is_trained_exactly_once(output, metrics, samples, before, after):
     """The resumed run says how far the epoch had come and in which world; the metrics say how many samples
     were trained after that. Together: every sample once, bar fewer than one global batch dropped at the end."""
     (done, then, now), = {tuple(map(int, found)) for found in re.findall(
         r"resumed from \S+: epoch 1, (\d+) samples into it; world size (\d+) then, (\d+) now", output)}
     assert (then, now) == (before, after), "the log says the world size changed"
-    assert 0 < done < SAMPLES and done % (BATCH * before) == 0
+    assert 0 < done < samples and done % (BATCH * before) == 0
     (epoch,) = metrics
     assert epoch["world_size"] == after
     global_batch = BATCH * after
-    assert epoch["train_samples"] == (SAMPLES - done) // global_batch * global_batch
-    assert 0 <= SAMPLES - done - epoch["train_samples"] < global_batch, "only the last partial batch is dropped"
+    assert epoch["train_samples"] == (samples - done) // global_batch * global_batch
+    assert 0 <= samples - done - epoch["train_samples"] < global_batch, "only the last partial batch is dropped"
 
 
 def test_a_node_that_dies_whole_leaves_a_world_of_one_that_resumes_and_finishes(tmp_path):
-    endpoint, snapshot = f"127.0.0.1:{free_port()}", tmp_path / "snapshot.pt"
-    survivor, survivor_log = launch(tmp_path, "survivor", snapshot, True, endpoint)
-    victim, victim_log = launch(tmp_path, "victim", snapshot, False, endpoint)
+    endpoint, samples = f"127.0.0.1:{free_port()}", 1536  # after the kill, one process trains the rest alone
+    survivor, survivor_log = launch(tmp_path, "survivor", True, endpoint, samples)
+    victim, victim_log = launch(tmp_path, "victim", False, endpoint, samples)
     try:
         wait_for(SNAPSHOT_IN_EPOCH_1, survivor_log, victim_log)  # training together
         time.sleep(1)  # a few steps more, to be redone after the restart
@@ -76,15 +76,15 @@ def test_a_node_that_dies_whole_leaves_a_world_of_one_that_resumes_and_finishes(
     assert result.returncode == 0, survivor_log.read_text()[-3000:]
     output = survivor_log.read_text()
     assert "rank 0 of 1" in output
-    check_the_epoch_is_trained_exactly_once(output, read_metrics(tmp_path / "metrics.jsonl"), before=2, after=1)
+    check_the_epoch_is_trained_exactly_once(output, read_metrics(tmp_path / "metrics.jsonl"), samples, 2, 1)
 
 
 def test_a_node_that_joins_a_running_job_trains_with_it_in_a_world_of_two(tmp_path):
-    endpoint, snapshot = f"127.0.0.1:{free_port()}", tmp_path / "snapshot.pt"
-    first, first_log = launch(tmp_path, "first", snapshot, True, endpoint)
+    endpoint, samples = f"127.0.0.1:{free_port()}", 3072  # alone for long enough to see the second node join
+    first, first_log = launch(tmp_path, "first", True, endpoint, samples)
     try:
         wait_for(SNAPSHOT_IN_EPOCH_1, first_log)  # training alone
-        second, second_log = launch(tmp_path, "second", snapshot, False, endpoint)
+        second, second_log = launch(tmp_path, "second", False, endpoint, samples)
     except BaseException:
         kill_tree(first.pid)
         raise
@@ -95,5 +95,4 @@ def test_a_node_that_joins_a_running_job_trains_with_it_in_a_world_of_two(tmp_pa
     assert "rank 0 of 1" in outputs[0], "the first node trained alone"
     assert "stopped by a signal in epoch 1" in outputs[0], "torchrun stopped it for the new member: a snapshot"
     assert sorted(re.findall(r"rank (\d) of 2", "".join(outputs))) == ["0", "1"], "then a world of two"
-    check_the_epoch_is_trained_exactly_once("".join(outputs), read_metrics(tmp_path / "metrics.jsonl"),
-                                            before=1, after=2)
+    check_the_epoch_is_trained_exactly_once("".join(outputs), read_metrics(tmp_path / "metrics.jsonl"), samples, 1, 2)
