@@ -309,6 +309,19 @@ def ignore_stop_signals(worker_id):
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def init_process_group_per_attempt(backend, timeout):
+    """init_process_group that survives torchrun's restarts. torchrun's rendezvous store outlives an attempt,
+    and the next attempt's gloo workers can read the previous one's peer addresses and fail or hang
+    (pytorch/pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the documented commands) gives every
+    attempt a fresh store; without it, this attempt takes keys of its own in the shared one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.init_process_group(backend, timeout=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
 def evaluate_checkpoint(args):
     """Loads a checkpoint written by any numbered script and evaluates it in this one process."""
     device = choose_device(args.device)
@@ -340,19 +353,8 @@ def main(args):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, cores // local_processes))
     # gloo on CPU, NCCL on GPU; a peer that never answers fails the collective after the timeout, not never
-    # rank, world size and where to meet (MASTER_ADDR:MASTER_PORT) come from torchrun's environment variables.
-    # After a restart, torchrun's shared rendezvous store still holds the previous attempt's keys, and the new
-    # workers can read stale peer addresses: gloo fails or hangs (pytorch/pytorch#135712). The documented
-    # commands set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a fresh store; without it,
-    # give this attempt keys of its own in the shared one.
-    backend, timeout = "nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.timeout)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    else:
-        dist.init_process_group(backend, timeout=timeout)
+    # rank, world size and where to meet (MASTER_ADDR:MASTER_PORT) come from torchrun's environment variables
+    init_process_group_per_attempt("nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.timeout))
     # every process says where it runs and who it is: the first thing to read when a multi-node job misbehaves
     # (newline inside, end="": one write per line, so lines of different processes never run into each other)
     print(f"[{socket.gethostname()}] node {os.environ.get('GROUP_RANK', '?')}, local rank {local_rank}: "
@@ -402,12 +404,14 @@ def main(args):
         log(f"resumed from {args.checkpoint}: epoch {start_epoch}, {samples_done} samples into it; world size "
             f"{snapshot['world_size']} then, {world_size} now")
 
-    def make_snapshot(epochs_done, samples_done):
+    def make_snapshot(epochs_done, samples_done):  # everything the next step depends on, not only the weights
         return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,
-                "epoch": epochs_done, "samples_done": samples_done, "args": vars(args), "world_size": world_size,
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(), "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all(), "python": random.getstate()}}
+                "optimizer": optimizer.state_dict(),  # momentum: without it the next steps would differ
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),  # the LR's place; fp16's scale
+                "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
+                        "python": random.getstate()},  # what dropout and random augmentation draw from
+                "epoch": epochs_done, "samples_done": samples_done,  # where in the data, to resume mid-epoch
+                "args": vars(args), "world_size": world_size}
 
     # Slurm sends SIGTERM (or SIGUSR1, with --signal) before it kills a job; torchrun forwards TERM (and USR1 if
     # --signals-to-handle lists it)
