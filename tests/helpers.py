@@ -146,15 +146,15 @@ HOSTS = {"nodeA": "10.200.0.1", "nodeB": "10.200.0.2"}  # addresses that exist o
 DATA_LINK = {"nodeA": "10.201.0.1", "nodeB": "10.201.0.2"}  # a second network, as a cluster's fast fabric
 
 
-def in_host(name, command):
+def in_host(name, command, prefix="ddp"):
     """`command` on host `name`: inside its network namespace, in a UTS namespace with its own hostname."""
-    return ["ip", "netns", "exec", f"ddp-{name}", "unshare", "--uts", "sh", "-c",
+    return ["ip", "netns", "exec", f"{prefix}-{name}", "unshare", "--uts", "sh", "-c",
             f'hostname {name} && exec "$@"', "sh", *map(str, command)]
 
 
-def on_host(name, *command):
+def on_host(name, *command, prefix="ddp"):
     """Runs a short command (ip, cat) in host `name`'s network namespace and returns its output."""
-    result = subprocess.run(["ip", "netns", "exec", f"ddp-{name}", *command], check=True, capture_output=True,
+    result = subprocess.run(["ip", "netns", "exec", f"{prefix}-{name}", *command], check=True, capture_output=True,
                             text=True, timeout=30)
     return result.stdout
 
@@ -172,40 +172,49 @@ def hosts_file(name, self_on_loopback):
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def separate_hosts(self_on_loopback=(), data_link=False):
-    """Two hosts, nodeA and nodeB, joined by a veth pair (and by a second one, `data-nodeA`/`data-nodeB`, with
-    `data_link`), each resolving names through the hosts file that `ip netns exec` puts over /etc/hosts.
-    Skips without root or iproute2. Everything made here is removed again, even on failure: deleting a
-    namespace deletes its ends of the veth pairs, and so the pairs."""
+def hosts_unavailable(prefix="ddp"):
+    """Why network-namespace hosts cannot be made here (no root, no iproute2), or None if they can."""
     missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"needs {', '.join(missing)} (iproute2, util-linux)")
+        return f"needs {', '.join(missing)} (iproute2, util-linux)"
     try:
-        sh("ip", "netns", "add", "ddp-probe")
-        sh("ip", "netns", "del", "ddp-probe")
+        sh("ip", "netns", "add", f"{prefix}-probe")
+        sh("ip", "netns", "del", f"{prefix}-probe")
     except (subprocess.CalledProcessError, PermissionError) as error:
-        pytest.skip(f"cannot create network namespaces (needs root): {error}")
+        return f"cannot create network namespaces (needs root): {error}"
+    return None
+
+
+@contextlib.contextmanager
+def separate_hosts(self_on_loopback=(), data_link=False, prefix="ddp"):
+    """Two hosts, nodeA and nodeB, joined by a veth pair (and by a second one, `data-nodeA`/`data-nodeB`, with
+    `data_link`), each resolving names through the hosts file that `ip netns exec` puts over /etc/hosts.
+    Their namespaces are PREFIX-nodeA and PREFIX-nodeB (the benchmarks use another prefix than the tests, so
+    both can run at once). Skips without root or iproute2. Everything made here is removed again, even on
+    failure: deleting a namespace deletes its ends of the veth pairs, and so the pairs."""
+    problem = hosts_unavailable(prefix)
+    if problem:
+        pytest.skip(problem)
     made = []
     try:
         for name in HOSTS:
-            sh("ip", "netns", "add", f"ddp-{name}")
+            sh("ip", "netns", "add", f"{prefix}-{name}")
             made.append(name)
-            hosts = Path(f"/etc/netns/ddp-{name}/hosts")
+            hosts = Path(f"/etc/netns/{prefix}-{name}/hosts")
             hosts.parent.mkdir(parents=True, exist_ok=True)
             hosts.write_text(hosts_file(name, self_on_loopback))
-            on_host(name, "ip", "link", "set", "lo", "up")
-        for prefix, addresses in [("veth", HOSTS), *([("data", DATA_LINK)] if data_link else [])]:
-            sh("ip", "link", "add", f"{prefix}-nodeA", "netns", "ddp-nodeA", "type", "veth", "peer", "name",
-               f"{prefix}-nodeB", "netns", "ddp-nodeB")
+            on_host(name, "ip", "link", "set", "lo", "up", prefix=prefix)
+        for link, addresses in [("veth", HOSTS), *([("data", DATA_LINK)] if data_link else [])]:
+            sh("ip", "link", "add", f"{link}-nodeA", "netns", f"{prefix}-nodeA", "type", "veth", "peer", "name",
+               f"{link}-nodeB", "netns", f"{prefix}-nodeB")
             for name, address in addresses.items():
-                on_host(name, "ip", "addr", "add", f"{address}/24", "dev", f"{prefix}-{name}")
-                on_host(name, "ip", "link", "set", f"{prefix}-{name}", "up")
+                on_host(name, "ip", "addr", "add", f"{address}/24", "dev", f"{link}-{name}", prefix=prefix)
+                on_host(name, "ip", "link", "set", f"{link}-{name}", "up", prefix=prefix)
         yield list(HOSTS)
     finally:
         for name in made:
-            subprocess.run(["ip", "netns", "del", f"ddp-{name}"], capture_output=True, timeout=30)
-            shutil.rmtree(f"/etc/netns/ddp-{name}", ignore_errors=True)
+            subprocess.run(["ip", "netns", "del", f"{prefix}-{name}"], capture_output=True, timeout=30)
+            shutil.rmtree(f"/etc/netns/{prefix}-{name}", ignore_errors=True)
         with contextlib.suppress(OSError):
             Path("/etc/netns").rmdir()  # only if empty: it may hold other namespaces' files
 
