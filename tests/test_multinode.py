@@ -1,7 +1,8 @@
-"""03_multinode.py across two nodes: two torchrun agents meeting through c10d rendezvous, first over
-loopback, then as two separate hosts (network namespaces joined by a veth pair, each with its own hostname).
-Only global rank 0 writes the checkpoint, node-local work runs once per node, every rank ends with the same
-parameters, and a node that never comes makes the other fail in bounded time instead of hanging."""
+"""03_multinode.py across two nodes: two torchrun agents meeting through c10d rendezvous and through static
+rendezvous (node ranks given), first over loopback, then as two separate hosts (network namespaces joined by a
+veth pair, each with its own hostname). Only global rank 0 writes the checkpoint, node-local work runs once per
+node, every rank ends with the same parameters, and a node that never comes makes the other fail in bounded
+time instead of hanging."""
 import re
 import time
 
@@ -21,16 +22,34 @@ def node_command(endpoint, rdzv_id, *script_args, nnodes=2, join_timeout=60, scr
             script, *script_args]
 
 
+def static_node_command(node_rank, master_addr, port, *script_args):
+    """The README's static form, with 1 process per node: every node is told its own node rank and where node
+    0 is (node 0's agent hosts the store there)."""
+    return [TORCHRUN, "--nnodes=2", f"--node_rank={node_rank}", "--nproc_per_node=1", f"--master_addr={master_addr}",
+            f"--master_port={port}", "--rdzv_conf=timeout=60", SCRIPT, *script_args]
+
+
+def commands(form, host, port, checkpoints):
+    """Each node's command in `form`, node n writing to checkpoints[n]: c10d gives every node the same command;
+    static gives node n --node_rank=n."""
+    if form == "c10d":
+        return [node_command(f"{host}:{port}", form, *TRAIN, "--checkpoint", path) for path in checkpoints]
+    return [static_node_command(n, host, port, *TRAIN, "--checkpoint", path) for n, path in enumerate(checkpoints)]
+
+
 def identities(output):
     """{rank: (hostname, node, local rank)} from the start-up lines every process prints."""
     return {int(rank): (host, node, int(local)) for host, node, local, rank in
             re.findall(r"\[([\w.-]+)\] node (\S+), local rank (\d+): rank (\d+) of 2\b", output)}
 
 
-def check_two_node_run(outputs, checkpoints, hostnames=None):
-    """The assertions both two-node tests make, on each node's output and each node's --checkpoint path."""
+def check_two_node_run(outputs, checkpoints, form, hostnames=None):
+    """The assertions every two-node test makes, on each node's output and each node's --checkpoint path."""
     ranks = [identities(output) for output in outputs]
     assert sorted(rank for node in ranks for rank in node) == [0, 1], "one rank on each node"
+    if form == "static":  # the node ranks were given: node n is node n, and node 0 holds global rank 0
+        assert [{node for _, node, _ in ids.values()} for ids in ranks] == [{"0"}, {"1"}]
+        assert 0 in ranks[0]
     for node, output in zip(ranks, outputs, strict=True):
         assert output.count("local rank 0 prepared the data for this node") == 1, "node-local work once per node"
         if hostnames:
@@ -45,13 +64,14 @@ def check_two_node_run(outputs, checkpoints, hostnames=None):
     assert [path.exists() for path in checkpoints] == [index == writer for index in range(len(checkpoints))]
 
 
-def test_two_nodes_over_loopback(tmp_path):
-    endpoint, checkpoints = f"127.0.0.1:{free_port()}", [tmp_path / "nodeA.pt", tmp_path / "nodeB.pt"]
-    agents = [start(node_command(endpoint, "loopback", *TRAIN, "--checkpoint", path)) for path in checkpoints]
+@pytest.mark.parametrize("form", ["c10d", "static"])
+def test_two_nodes_over_loopback(tmp_path, form):
+    checkpoints = [tmp_path / "nodeA.pt", tmp_path / "nodeB.pt"]
+    agents = [start(command) for command in commands(form, "127.0.0.1", free_port(), checkpoints)]
     results = [finish(agent, timeout=240) for agent in agents]
     for result in results:
         assert result.returncode == 0, result.stdout[-3000:]
-    check_two_node_run([result.stdout for result in results], checkpoints)
+    check_two_node_run([result.stdout for result in results], checkpoints, form)
 
 
 def test_a_missing_node_fails_in_bounded_time_with_a_clear_message():
@@ -72,14 +92,15 @@ def bytes_sent(name):
     return int(on_host(name, "cat", f"/sys/class/net/veth-{name}/statistics/tx_bytes"))
 
 
-def test_two_separate_hosts(two_hosts, tmp_path):
+@pytest.mark.parametrize("form", ["c10d", "static"])
+def test_two_separate_hosts(two_hosts, tmp_path, form):
     checkpoints = [tmp_path / f"{name}.pt" for name in two_hosts]
     before = {name: bytes_sent(name) for name in two_hosts}
-    agents = [start(in_host(name, node_command("nodeA:29400", "hosts", *TRAIN, "--checkpoint", path)))
-              for name, path in zip(two_hosts, checkpoints, strict=True)]
+    agents = [start(in_host(name, command)) for name, command in
+              zip(two_hosts, commands(form, "nodeA", 29400, checkpoints), strict=True)]
     results = [finish(agent, timeout=240) for agent in agents]
     for result in results:
         assert result.returncode == 0, result.stdout[-3000:]
-    check_two_node_run([result.stdout for result in results], checkpoints, hostnames=two_hosts)
+    check_two_node_run([result.stdout for result in results], checkpoints, form, hostnames=two_hosts)
     for name in two_hosts:  # gradients crossed the link: ~0.4 MB of parameters all-reduced every step
         assert bytes_sent(name) - before[name] > 1_000_000, f"{name} sent too little over the veth pair"

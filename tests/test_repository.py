@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import DOCUMENTED
 from helpers import PYTHON, REPO, SCRIPTS, load_script
-from test_multinode import node_command
+from test_multinode import node_command, static_node_command
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_diffs  # noqa: E402
@@ -60,6 +60,9 @@ def test_readme_shows_the_commands_the_tests_run():
         assert shown in readme, f"README does not show: {shown}"
     practice = node_command("127.0.0.1:29500", "job1")
     assert " ".join(["torchrun", *practice[1:]]) in readme, "README's one-machine multi-node command"
+    for node_rank in (0, 1):
+        practice = static_node_command(node_rank, "127.0.0.1", 29500)
+        assert " ".join(["torchrun", *practice[1:]]) in readme, "README's one-machine static rendezvous commands"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 " \
            "04_fault_tolerant.py --checkpoint snapshot.pt" in readme, "the command tests/test_fault_tolerance.py runs"
     for target in ("make demo", "make test"):
