@@ -46,3 +46,20 @@ def test_committed_outputs_are_complete_and_say_nothing_about_the_machine(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs_from_a_clean_kernel(name):
     builder.execute(committed(name), timeout=300)  # raises CellExecutionError on a failing cell
+
+
+LECTURES = [name for name in NAMES if name[:2] in ("00", "01", "02")]
+
+
+@pytest.mark.parametrize("name", LECTURES)
+def test_each_lecture_ends_with_exercises_whose_worked_solutions_ran(name):
+    """2-4 exercises ("### Exercise N"), each with its solution in cells tagged `solution`: the committed
+    outputs show the solutions ran without error, and test_notebook_runs_from_a_clean_kernel runs them again."""
+    notebook = committed(name)
+    exercises = [cell for cell in notebook.cells if cell.cell_type == "markdown" and "### Exercise" in cell.source]
+    solutions = [cell for cell in notebook.cells if "solution" in cell.metadata.get("tags", [])]
+    assert 2 <= len(exercises) <= 4, f"{len(exercises)} exercises"
+    assert len(solutions) >= len(exercises), "every exercise has a worked solution"
+    for cell in solutions:
+        assert cell.cell_type == "code" and cell.execution_count and cell.outputs, cell.source[:80]
+        assert not [o for o in cell.outputs if o.output_type == "error"], cell.source[:80]
