@@ -177,35 +177,6 @@ def gradients_before_and_after_all_reduce(rank, world_size):
     return {"local": local, "after": averaged, "weights": model.module.weight.detach().flatten().clone()}
 
 
-def bucket_timeline(rank, world_size):
-    """When, during backward(), each gradient bucket is handed to the all-reduce (a comm hook records it)."""
-    import torch
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    layers = [nn.Linear(512, 512) for _ in range(8)]
-    model = DDP(nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())]), bucket_cap_mb=1)
-    events = []
-
-    def hook(state, bucket):
-        events.append((bucket.index(), time.perf_counter(), sum(t.numel() for t in bucket.gradients())))
-        return allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, hook)
-    batch = torch.randn(256, 512)
-    timings = []
-    for _ in range(4):  # the first iterations build the buckets; measure the last
-        events.clear()
-        loss = model(batch).pow(2).mean()
-        began = time.perf_counter()
-        loss.backward()
-        timings.append((began, time.perf_counter(), list(events)))
-    began, ended, last = timings[-1]
-    return {"backward_s": ended - began, "buckets": [(index, at - began, size) for index, at, size in last]}
-
-
 # --- 01_mp_spawn.ipynb: the concepts and the classic mistakes, each in a real 2-process gloo group ----------
 def barrier_wait(rank, world_size):
     """Rank 1 arrives 1 s late at the barrier; every rank measures how long it waited there."""
@@ -272,3 +243,323 @@ def collective_on_rank_0_only(rank, world_size):
         return "rank 0: no error"
     time.sleep(5)  # rank 1 went on without it (its own next collective would wait the same way)
     return "rank 1: never called that all_reduce"
+
+
+# --- 03-05: runs that may fail or hang, and logs read as they are written ---------------------------------------
+from helpers import free_port, kill_tree  # noqa: E402, F401  (the tests' own, written once)
+
+
+def wait_all(processes, began, timeout):
+    """Waits for processes started at `began` (time.monotonic()); returns {process: (exit status, seconds after
+    `began` when it ended)}. One still running `timeout` seconds after `began` is killed with all it started,
+    and its status is None."""
+    ended = {}
+    while len(ended) < len(processes) and time.monotonic() - began < timeout:
+        ended.update({process: (process.returncode, time.monotonic() - began) for process in processes
+                      if process not in ended and process.poll() is not None})
+        time.sleep(0.1)
+    for process in set(processes) - set(ended):
+        kill_tree(process.pid)
+        process.wait()
+        ended[process] = None, time.monotonic() - began
+    return ended
+
+
+def lines_with(output, *words):
+    """The lines of `output` that contain any of `words`, scrubbed, each once: what to read in a long log."""
+    found = [re.sub(r"^[IWE]\d{4} [\d:.]+ \d+ \S+\] ", "torchrun: ", line.strip())  # its log prefix
+             for line in scrub(output).splitlines() if any(word in line for word in words)]
+    return "\n".join(dict.fromkeys(found))
+
+
+class Follow:
+    """Reads a log as it is written, and notes when each line arrived (seconds since the Follow began), so
+    that a run can be drawn against the wall clock (`began`: the clock of an earlier Follow, to draw one run
+    after another). `marks` holds moments the notebook adds (a kill, say)."""
+
+    def __init__(self, log, began=None):
+        import threading
+
+        self.log, self.began, self.lines, self.marks = Path(log), began or time.monotonic(), [], {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def now(self):
+        return time.monotonic() - self.began
+
+    def _read(self):
+        position, partial = 0, ""
+        while True:
+            stopping = self._stop.is_set()  # one last read after the stop, so no line is missed
+            if self.log.exists():
+                with open(self.log) as f:
+                    f.seek(position)
+                    chunk = f.read()
+                    position = f.tell()
+                *complete, partial = (partial + chunk).split("\n")
+                self.lines += [(self.now(), line) for line in complete]
+            if stopping:
+                return
+            time.sleep(0.02)
+
+    def matches(self, pattern):
+        """(arrival, match) of every line so far that matches `pattern`."""
+        return [(at, found) for at, line in list(self.lines) if (found := re.search(pattern, line))]
+
+    def wait_for(self, pattern, count=1, timeout=120):
+        """Waits until `count` lines match `pattern`; returns the last of them (a re.Match)."""
+        deadline = time.monotonic() + timeout
+        while len(found := self.matches(pattern)) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {count} lines matching {pattern!r} within {timeout} s")
+            time.sleep(0.02)
+        return found[count - 1][1]
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        return self
+
+
+# --- diagrams: boxes and arrows (flows), and lifelines with messages (sequences) -------------------------------
+def flow(boxes, arrows, title, size=(10, 4)):
+    """Draws boxes {name: (x, y, text)} joined by arrows [(from, to, label)], in data coordinates."""
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=size)
+    for x, y, text in boxes.values():
+        axis.text(x, y, text, ha="center", va="center", fontsize=9, zorder=2,
+                  bbox=dict(boxstyle="round,pad=0.5", facecolor="#eef3fb", edgecolor="#4a6fa5"))
+    for source, target, label in arrows:
+        (x0, y0, _), (x1, y1, _) = boxes[source], boxes[target]
+        axis.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=1,
+                      arrowprops=dict(arrowstyle="-|>", color="#555", shrinkA=22, shrinkB=22,
+                                      connectionstyle="arc3,rad=0.15" if source != target else "arc3"))
+        if label:
+            axis.text((x0 + x1) / 2, (y0 + y1) / 2, label, fontsize=8, ha="center", va="center", color="#a33",
+                      bbox=dict(facecolor="white", edgecolor="none", pad=1), zorder=3)
+    xs, ys = [x for x, _, _ in boxes.values()], [y for _, y, _ in boxes.values()]
+    axis.set(xlim=(min(xs) - 1.3, max(xs) + 1.3), ylim=(min(ys) - 0.8, max(ys) + 0.8), title=title)
+    axis.axis("off")
+    plt.show()
+
+
+def sequence(actors, messages, title, size=(10, 5)):
+    """A sequence diagram: one lifeline per actor, messages [(from, to, text)] top to bottom (from == to: a
+    note on that lifeline)."""
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=size)
+    x = {actor: i for i, actor in enumerate(actors)}
+    depth = len(messages) + 1
+    for actor, i in x.items():
+        axis.plot([i, i], [0, -depth], color="#999", lw=1, zorder=0)
+        axis.text(i, 0.4, actor, ha="center", fontsize=9, weight="bold",
+                  bbox=dict(boxstyle="round", facecolor="#eef3fb", edgecolor="#4a6fa5"))
+    for row, (source, target, text) in enumerate(messages, start=1):
+        if source == target:
+            axis.text(x[source], -row, text, ha="center", va="center", fontsize=8,
+                      bbox=dict(facecolor="#fff8e0", edgecolor="#c9a100"))
+            continue
+        axis.annotate("", xy=(x[target], -row), xytext=(x[source], -row),
+                      arrowprops=dict(arrowstyle="-|>", color="#4a6fa5"))
+        axis.text((x[source] + x[target]) / 2, -row + 0.15, text, ha="center", fontsize=8)
+    axis.set(xlim=(-0.7, len(actors) - 0.3), ylim=(-depth, 1), title=title)
+    axis.axis("off")
+    plt.show()
+
+
+# --- 05_ddp_under_the_hood.ipynb: DDP's machinery, each piece in a real 2-process gloo group -----------------
+def wide_model(layers=6, width=1024):
+    """Linear layers big enough that communicating their gradients takes measurable time."""
+    from torch import nn
+
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+def communication_timings(rank, world_size, repeats=15):
+    """Milliseconds of one backward() through DDP on 2 ranks, the fastest of `repeats` (the run least disturbed by
+    whatever else runs on the machine), with the same model, weights and buckets, and only the communication
+    changed by a communication hook: none at all; each bucket's all-reduce done before backward may go on (no
+    overlap); DDP's own asynchronous all-reduce (overlap), also with bucket_cap_mb=5; and the bf16 compression
+    hook. "no communication" is timed twice: the two differ by the machine's noise. Also the buckets DDP used,
+    and how the hook's averaged gradients compare with the exact ones."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def nothing(state, bucket):  # hands the bucket back unchanged: DDP's machinery without communication
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    def blocking(state, bucket):  # all-reduces the bucket before backward may compute anything else
+        dist.all_reduce(bucket.buffer())
+        return nothing(state, bucket).then(lambda future: future.value().div_(world_size))
+
+    torch.manual_seed(0)
+    batch = torch.randn(64, 1024, generator=torch.Generator().manual_seed(rank))  # each rank its own data
+    weights = wide_model().state_dict()
+    setups = {"no communication": ({}, nothing), "all-reduce, not overlapped": ({}, blocking),
+              "DDP (overlapped)": ({}, None), "DDP, bucket_cap_mb=5": ({"bucket_cap_mb": 5}, None),
+              "DDP + bf16 compression hook": ({}, bf16_compress_hook)}
+    models = {}
+    for mode, (options, hook) in setups.items():
+        model = wide_model()
+        model.load_state_dict(weights)  # the same weights everywhere: only the communication differs
+        models[mode] = DDP(model, **options)
+        if hook:
+            models[mode].register_comm_hook(dist.group.WORLD, hook)
+    models["no communication (again)"] = models["no communication"]
+
+    def backward(mode):
+        model = models[mode]
+        model.zero_grad(set_to_none=True)
+        loss = model(batch).pow(2).mean()
+        dist.barrier()  # both ranks start together
+        began = time.perf_counter()
+        loss.backward()
+        return 1000 * (time.perf_counter() - began)
+
+    results = {mode: [] for mode in models}
+    for _ in range(2):  # warm-up: DDP rebuilds its buckets after the first iteration
+        for mode in models:
+            backward(mode)
+    for _ in range(repeats):
+        for mode in models:  # interleaved, so that drifts of the machine's speed hit every mode alike
+            results[mode].append(backward(mode))
+    exact = [p.grad.clone() for p in models["DDP (overlapped)"].parameters()]
+    compressed = list(models["DDP + bf16 compression hook"].parameters())
+    relative = max(((c.grad - e).abs().max() / e.abs().max()).item() for c, e in zip(compressed, exact, strict=True))
+    return {"ms": {mode: min(runs) for mode, runs in results.items()},
+            "buckets_mb": {mode: [int(size) / 2**20 for size in
+                                  models[mode]._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", ")]
+                           for mode in ("DDP (overlapped)", "DDP, bucket_cap_mb=5")},
+            "parameters": sum(p.numel() for p in exact), "bf16_relative_error": relative,
+            "bf16_identical": all(torch.equal(c.grad, e) for c, e in zip(compressed, exact, strict=True)),
+            "bf16_gradient": compressed[0].grad.clone()}  # to compare across ranks
+
+
+def two_heads():
+    """A model whose forward uses only one of its two heads."""
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.used(self.body(x))  # self.unused takes no part in the loss
+
+    return Model()
+
+
+def unused_parameters(rank, world_size):
+    """Two training steps of two_heads() under DDP with each option: 'ok', or the error DDP raises."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    outcomes = {}
+    for name, options in {"DDP(model)": {}, "find_unused_parameters=True": {"find_unused_parameters": True},
+                          "static_graph=True": {"static_graph": True}}.items():
+        torch.manual_seed(0)
+        model, step = DDP(two_heads(), **options), 0
+        try:
+            while step < 2:
+                step += 1
+                model(torch.randn(3, 4)).sum().backward()
+            outcomes[name] = "2 steps, ok"
+        except RuntimeError as error:  # raised by each rank itself, before any collective: the group stays usable
+            outcomes[name] = f"step {step}: RuntimeError: {str(error).splitlines()[0][:150]}..."
+    return outcomes
+
+
+def batchnorm_buffers(rank, world_size):
+    """BatchNorm under DDP, each rank with data of its own: the running mean after each of two forwards, the
+    batch statistics each rank used, and BatchNorm's output against one process normalising both ranks'
+    samples together; then the same with the mean and variance all-reduced over the ranks (what SyncBatchNorm
+    does on GPUs), and what SyncBatchNorm says on a CPU."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * rank + step)) + 3 * rank
+            for step in range(2)]
+    running, batch_means = [], []
+    for batch in data:
+        model(batch)  # in training mode DDP first copies rank 0's buffers to every rank, then BatchNorm runs
+        running.append(model.module[1].running_mean.clone())
+        batch_means.append(model.module[0](batch).detach().mean(0))  # what this rank's BatchNorm averaged
+    features = torch.randn(4, 3, generator=torch.Generator().manual_seed(100 + rank)) + 3 * rank
+    everyone = [torch.zeros(4, 3) for _ in range(world_size)]
+    dist.all_gather(everyone, features)
+    reference = nn.BatchNorm1d(3)(torch.cat(everyone))[4 * rank:4 * rank + 4]  # one process, all 8 samples
+    local = nn.BatchNorm1d(3)(features)  # this rank's 4 samples only, as BatchNorm does under DDP
+    sums = torch.stack([features.sum(0), features.pow(2).sum(0), torch.full((3,), 4.0)])
+    dist.all_reduce(sums)  # SyncBatchNorm's idea: statistics of every rank's samples
+    mean = sums[0] / sums[2]
+    synced = (features - mean) / (sums[1] / sums[2] - mean**2 + 1e-5).sqrt()
+    try:
+        nn.SyncBatchNorm(3)(features)
+        sync_on_cpu = "ran"
+    except ValueError as error:
+        sync_on_cpu = f"ValueError: {error}"
+    return {"running": running, "batch_means": batch_means, "local_vs_one_process": (local - reference).abs().max(),
+            "synced_vs_one_process": (synced - reference).abs().max(), "sync_batchnorm_on_cpu": sync_on_cpu}
+
+
+def uneven_inputs(rank, world_size, use_join):
+    """Rank 0 has 3 batches, rank 1 has 2 (an uneven split). Without Join, rank 0's third backward waits for
+    an all-reduce rank 1 never joins; with Join, rank 1 shadows it. Returns what happened and, with Join, the
+    final weights."""
+    import contextlib
+
+    import torch
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    began, step = time.monotonic(), 0
+    try:
+        with Join([model]) if use_join else contextlib.nullcontext():
+            while step < 3 - rank:
+                step += 1
+                optimizer.zero_grad()
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                optimizer.step()
+    except RuntimeError as error:
+        return {"outcome": f"rank {rank}, step {step}, after {time.monotonic() - began:.0f} s: "
+                           f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
+    outcome = f"rank {rank}: finished its {3 - rank} steps after {time.monotonic() - began:.1f} s"
+    if not use_join:
+        time.sleep(5)  # rank 1 goes on with its next work (validation, say); rank 0 still waits
+        outcome += ", then went on to other work"
+    return {"outcome": outcome, "weights": model.module.weight.detach().clone()}
+
+
+def under_the_hood(rank, world_size):
+    """Every 2-process experiment of 05_ddp_under_the_hood.ipynb, one after the other in one group (starting
+    processes costs seconds). The uneven inputs without Join come last: they break the group on purpose."""
+    return {"averaging": gradients_before_and_after_all_reduce(rank, world_size),
+            "timings": communication_timings(rank, world_size),
+            "unused": unused_parameters(rank, world_size),
+            "batchnorm": batchnorm_buffers(rank, world_size),
+            "join": uneven_inputs(rank, world_size, use_join=True),
+            "no_join": uneven_inputs(rank, world_size, use_join=False)}
+
+
+def single_process_group():
+    """A gloo group of one process, in this notebook's own process: enough for DDP to build its buckets and call
+    its hooks, in milliseconds instead of the seconds it takes to start processes."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
