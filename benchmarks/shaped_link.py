@@ -44,23 +44,24 @@ RAW, TABLE, PLOT = (REPO / "benchmarks" / f"shaped_link.{suffix}" for suffix in 
 ONE_NODE = "one node (no communication)"
 
 
-def problem():
+def problem(prefix=PREFIX):
     """Why the benchmark cannot run here, or None."""
     if shutil.which("tc") is None:
         return "needs tc (iproute2)"
-    return hosts_unavailable(PREFIX)
+    return hosts_unavailable(prefix)
 
 
 def measure(models=("cnn", "mlp"), links=None, knobs=None, repeats=3, seconds=4.0, accuracy_samples=4096,
-            accuracy_epochs=2, timeout=7200, echo=print):
-    """Runs the worker on the two hosts; yields its records (dicts) as they come. Cleans up on any exit."""
+            accuracy_epochs=2, timeout=7200, prefix=PREFIX):
+    """Runs the worker on two hosts (namespaces PREFIX-nodeA/B); yields its records (dicts) as they come.
+    Cleans up on any exit."""
     links = LINKS if links is None else links
     worker = ["benchmarks/shaped_link_worker.py", "--models", ",".join(models), "--repeats", str(repeats),
               "--seconds", str(seconds), "--accuracy-samples", str(accuracy_samples),
               "--accuracy-epochs", str(accuracy_epochs),
               "--links", ",".join(f"{name}={rate or 'none'}" for name, rate in links.items()),
               *(["--knobs", ",".join(knobs)] if knobs else [])]
-    reason = problem()
+    reason = problem(prefix)
     if reason:
         raise RuntimeError(f"cannot build the two hosts: {reason}")
     environment = {key: value for key, value in os.environ.items()
@@ -68,16 +69,17 @@ def measure(models=("cnn", "mlp"), links=None, knobs=None, repeats=3, seconds=4.
     environment["OMP_NUM_THREADS"] = "1"  # one core per node: this machine has two
     logs = Path(tempfile.mkdtemp(prefix="ddp-steps-shaped-"))
     agents = []
-    with separate_hosts(prefix=PREFIX) as hosts:
+    with separate_hosts(prefix=prefix) as hosts:
         try:
             for rank, name in enumerate(hosts):
                 node = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=nodeA",
                         "--master_port=29500", *worker, "--device", f"veth-{name}"]
                 output = subprocess.PIPE if rank == 0 else open(logs / f"{name}.log", "w")  # noqa: SIM115
-                agents.append(subprocess.Popen(in_host(name, node, prefix=PREFIX), cwd=REPO, env=environment,
+                agents.append(subprocess.Popen(in_host(name, node, prefix=prefix), cwd=REPO, env=environment,
                                                text=True, stdout=output, stderr=subprocess.STDOUT,
                                                start_new_session=True))
             deadline = threading.Timer(timeout, lambda: [kill_tree(agent.pid) for agent in agents])
+            deadline.daemon = True  # an interrupted run must not wait for it at exit
             deadline.start()
             lines = []
             for line in agents[0].stdout:  # rank 0 is on the first host; it prints the figures
@@ -89,16 +91,17 @@ def measure(models=("cnn", "mlp"), links=None, knobs=None, repeats=3, seconds=4.
                 else:
                     lines.append(line.rstrip())
             codes = [agent.wait() for agent in agents]
-            deadline.cancel()
             if any(codes):
                 other = (logs / f"{hosts[1]}.log").read_text().splitlines()
                 raise RuntimeError(f"the worker failed (exit {codes}):\n" + "\n".join(lines[-25:] + other[-25:]))
         finally:
+            if agents:
+                deadline.cancel()
             for agent in agents:
                 kill_tree(agent.pid)
                 agent.wait()
             for name in hosts:  # deleting the namespace would remove it too; this says so explicitly
-                unshape(f"veth-{name}", netns=f"{PREFIX}-{name}")
+                unshape(f"veth-{name}", netns=f"{prefix}-{name}")
             shutil.rmtree(logs, ignore_errors=True)
 
 
@@ -219,7 +222,7 @@ def plot(measured, path):
     links = list(dict.fromkeys(r["link"] for r in records if r["kind"] == "link"))
     repeats = sorted({r["repeat"] for r in records if r["kind"] == "link"})
     knobs = list(dict.fromkeys(r["knob"] for r in records if r["kind"] == "step" and r["knob"] != ONE_NODE))
-    fig, axes = plt.subplots(len(models), 1, figsize=(11, 3.6 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models), 1, figsize=(13, 3.6 * len(models)), squeeze=False)
     width = 0.8 / len(links)
     for axis, name in zip(axes[:, 0], models, strict=True):
         for index, ln in enumerate(links):
@@ -227,18 +230,25 @@ def plot(measured, path):
                                        for r in repeats) if (name, ln, repeats[0], k) in step else 0 for k in knobs]
             axis.bar([x + (index - (len(links) - 1) / 2) * width for x in range(len(knobs))], rates, width,
                      label=f"{ln} ({measured['links'].get(ln) or 'not shaped'})", color=f"C{index}")
-            one = statistics.median(step[name, ln, r, ONE_NODE]["samples"] / step[name, ln, r, ONE_NODE]["step_s"]
-                                    for r in repeats)
-            axis.axhline(2 * one, color=f"C{index}", ls=":", lw=1)
-        axis.axhline(one, color="black", ls="--", lw=1, label="one node alone (last link's measurement)")
+        # one node's compute does not depend on the link: the median over every link and repeat
+        one = statistics.median(step[name, ln, r, ONE_NODE]["samples"] / step[name, ln, r, ONE_NODE]["step_s"]
+                                for ln in links for r in repeats)
+        axis.axhline(one, color="black", ls="--", lw=1, label="one node alone")
+        axis.axhline(2 * one, color="black", ls=":", lw=1, label="2 × one node (perfect scaling)")
         axis.set_yscale("log")
         axis.set_xticks(range(len(knobs)), knobs, rotation=25, ha="right", fontsize=8)
-        axis.set_ylabel("samples/s, both nodes")
-        axis.set_title(f"{name}: DDP on two hosts by link and knob (dotted: 2 × one node, the ideal)", fontsize=10)
-        axis.legend(fontsize=7, ncol=2)
+        axis.set_ylabel("samples/s, both nodes (log)")
+        axis.set_title(f"{name}: training throughput of two hosts by link and DDP knob (median of repeats)",
+                       fontsize=10)
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def interrupt(signum, frame):
+    """SIGTERM (kill, a CI timeout) ends the run as Ctrl-C does: through the clean-up."""
+    raise KeyboardInterrupt
 
 
 def machine():
@@ -254,31 +264,39 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="cnn,mlp", help="cnn, mlp (a wide MLP) or a torchvision model")
     parser.add_argument("--seconds", type=float, default=4, help="about how long each knob is timed per repeat")
+    parser.add_argument("--knobs", default=None, help="only these (comma-separated names from KNOBS in the worker)")
+    parser.add_argument("--accuracy-samples", type=int, default=4096, help="0: no accuracy runs")
+    parser.add_argument("--output", default=None, help="write OUTPUT.json/.md/.png instead of benchmarks/shaped_link.*")
     parser.add_argument("--table-only", action="store_true", help="measure nothing: redo the table and plot")
     args = parser.parse_args()
+    raw, table_path, plot_path = (Path(f"{args.output}.{suffix}") for suffix in ("json", "md", "png")) \
+        if args.output else (RAW, TABLE, PLOT)
     if args.table_only:
-        measured = json.loads(RAW.read_text())
+        measured = json.loads(raw.read_text())
     else:
         reason = problem()
         if reason:
             sys.exit(f"error: {reason}")
-        # SIGTERM (kill, a CI timeout) ends the run like Ctrl-C does: through the clean-up
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        signal.signal(signal.SIGTERM, interrupt)
         command = "sudo .venv/bin/python benchmarks/shaped_link.py " + " ".join(sys.argv[1:])
         measured = {"date": str(date.today()), "machine": machine(), "command": command.strip(),
                     "links": LINKS, "records": []}
         began = time.monotonic()
-        for record in measure(models=args.models.split(","), repeats=args.repeats, seconds=args.seconds):
-            measured["records"].append(record)
-            measured["duration_s"] = time.monotonic() - began
-            RAW.write_text(json.dumps(measured, indent=1) + "\n")
-            print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-                           for key, value in record.items() if key != "kind"), flush=True)
+        try:
+            for record in measure(models=args.models.split(","), repeats=args.repeats, seconds=args.seconds,
+                                  knobs=args.knobs and args.knobs.split(","), accuracy_samples=args.accuracy_samples):
+                measured["records"].append(record)
+                measured["duration_s"] = time.monotonic() - began
+                raw.write_text(json.dumps(measured, indent=1) + "\n")
+                print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                               for key, value in record.items() if key != "kind"), flush=True)
+        except KeyboardInterrupt:
+            sys.exit(f"interrupted; the namespaces and qdiscs are removed, the figures so far are in {raw}")
     table = summarize(measured)
     print("\n" + table)
-    TABLE.write_text(table)
-    plot(measured, PLOT)
-    print(f"wrote {RAW.relative_to(REPO)}, {TABLE.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
+    table_path.write_text(table)
+    plot(measured, plot_path)
+    print(f"wrote {raw}, {table_path} and {plot_path}")
 
 
 if __name__ == "__main__":

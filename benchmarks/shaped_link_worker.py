@@ -88,6 +88,18 @@ def train_step(ddp, optimizer, micro_batches, communicate=True):
     return total
 
 
+def static_graph_inside_no_sync(rank, world_size):
+    """Why KNOBS joins no accumulation with static_graph: the first error of a static_graph model's first
+    backward inside no_sync() (pytorch/pytorch#143580), or None if there is none. In any process group."""
+    torch.manual_seed(0)
+    ddp, _ = wrap(build_model("cnn"), {"static_graph": True, "accumulate": 2})
+    try:
+        train_step(ddp, sgd(ddp), batches(2, 8, first=16 * rank))
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
 def sgd(model, name="cnn"):
     """The scripts' optimizer. The MLP's inputs are 3072 noisy pixels summed at once: at the scripts' 0.05 it
     diverges, at 0.01 it learns (91 % in 2 epochs of 2048 samples, one process)."""

@@ -1,8 +1,9 @@
 """The DDP knobs benchmarks/shaped_link.py measures all train correctly on 2 ranks (real gloo groups running the
 benchmark's own code): the ones that only change how gradients travel leave the parameters bitwise identical;
 compression and PowerSGD still learn; accumulation is the scripts' accumulation (tests/test_ddp_claims.py shows
-that one equals one step on the large batch)."""
+that one equals one step on the large batch). And the published table is what the raw figures give."""
 import argparse
+import json
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from helpers import REPO, load_script, run_group
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import shaped_link  # noqa: E402
 import shaped_link_worker as bench  # noqa: E402
 
 SAME_ARITHMETIC = ["bucket_cap_mb=0.1", "bucket_cap_mb=100", "gradient_as_bucket_view=False", "static_graph"]
@@ -56,16 +58,6 @@ def accumulate_both_ways(rank):
     return results
 
 
-def static_graph_inside_no_sync(rank):
-    """The first error of a static_graph model's first backward inside no_sync(), or None."""
-    ddp, _ = bench.wrap(initial_cnn(), {"static_graph": True, "accumulate": 2})
-    try:
-        bench.train_step(ddp, bench.sgd(ddp), bench.batches(2, 8, first=16 * rank))
-    except RuntimeError as error:
-        return str(error).splitlines()[0]
-    return None
-
-
 def every_knob(rank, world_size):
     """Everything these tests check, in one 2-rank group (starting one costs seconds)."""
     train, val = bench.batches(2048 // 32, 32, first=0), bench.batches(512 // 32, 32, first=10_000_000)
@@ -74,7 +66,7 @@ def every_knob(rank, world_size):
             "learned": {knob: bench.train_and_evaluate("mlp", bench.KNOBS[knob], 2, train, val)
                         for knob in ["default", *bench.CHANGE_THE_RESULT]},
             "accumulated": accumulate_both_ways(rank),
-            "static_graph_error": static_graph_inside_no_sync(rank)}  # last: it leaves that model broken
+            "static_graph_error": bench.static_graph_inside_no_sync(rank, world_size)}  # last: a broken model
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +115,11 @@ def test_static_graph_cannot_accumulate_with_no_sync_in_this_torch(ranks):
     no_sync() fails. If this starts failing, torch fixed it: combine them in KNOBS."""
     errors = [rank["static_graph_error"] for rank in ranks]
     assert all(error and "expect_autograd_hooks_" in error for error in errors), errors
+
+
+def test_the_published_table_is_what_the_raw_figures_give_and_the_readme_shows_it():
+    """benchmarks/shaped_link.md is summarize(benchmarks/shaped_link.json), and the README's section holds it."""
+    table = shaped_link.summarize(json.loads(shaped_link.RAW.read_text()))
+    assert shaped_link.TABLE.read_text() == table, "run: .venv/bin/python benchmarks/shaped_link.py --table-only"
+    assert table.strip() in (REPO / "README.md").read_text(), "paste benchmarks/shaped_link.md into the README"
+    assert shaped_link.PLOT.exists()

@@ -34,10 +34,13 @@ def source(name):
 
 
 def source_hash(name):
-    """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, and the
-    notebooks' support module. Any of them changing makes the committed outputs stale."""
+    """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, the
+    notebooks' support module, and the files of benchmarks/ its code cells name (programs, published figures).
+    Any of them changing makes the committed outputs stale."""
+    code = "\n".join(cell.source for cell in jupytext.read(source(name)).cells if cell.cell_type == "code")
     digest = hashlib.sha256(source(name).read_bytes())
-    for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + [FOLDER / "_support.py"]:
+    named = [path for path in sorted((REPO / "benchmarks").glob("*.*")) if f"benchmarks/{path.name}" in code]
+    for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + [FOLDER / "_support.py"] + named:
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
