@@ -268,7 +268,7 @@ def wait_all(processes, began, timeout):
 def lines_with(output, *words):
     """The lines of `output` that contain any of `words`, scrubbed, each once: what to read in a long log."""
     found = [re.sub(r"^[IWE]\d{4} [\d:.]+ \d+ \S+\] ", "torchrun: ", line.strip())  # its log prefix
-             for line in scrub(output).splitlines() if any(word in line for word in words)]
+             for line in scrub(output).replace(f"{REPO}/", "").splitlines() if any(word in line for word in words)]
     return "\n".join(dict.fromkeys(found))
 
 
