@@ -9,7 +9,7 @@ import subprocess
 
 # name -> tbf rate (None: not shaped). Why these rates: what decides whether communication or computation sets
 # a step's time is the machine balance, FLOP per second of one node / bytes per second of its link. One rank
-# here (one CPU core) computes ~15-45 GFLOP/s on these models (shaped_link.py measures and prints it); the
+# here (one CPU core) computes ~10-40 GFLOP/s on these models (shaped_link.py measures and prints it); the
 # rates below give it the balance of real GPU clusters (README, "Scaling across machines"):
 LINKS = {
     "unlimited": None,  # the bare veth pair, ~9 Gbit/s: faster, for its compute, than any real cluster
