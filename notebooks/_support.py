@@ -328,19 +328,22 @@ def flow(boxes, arrows, title, size=(10, 4)):
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=size)
-    for x, y, text in boxes.values():
-        axis.text(x, y, text, ha="center", va="center", fontsize=9, zorder=2,
-                  bbox=dict(boxstyle="round,pad=0.5", facecolor="#eef3fb", edgecolor="#4a6fa5"))
+    texts = {name: axis.text(x, y, text, ha="center", va="center", fontsize=9, zorder=2,
+                             bbox=dict(boxstyle="round,pad=0.5", facecolor="#eef3fb", edgecolor="#4a6fa5"))
+             for name, (x, y, text) in boxes.items()}
+    fig.canvas.draw()  # lay the boxes out, so that each arrow can start and end at a box's edge
     for source, target, label in arrows:
         (x0, y0, _), (x1, y1, _) = boxes[source], boxes[target]
-        axis.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=1,
-                      arrowprops=dict(arrowstyle="-|>", color="#555", shrinkA=22, shrinkB=22,
-                                      connectionstyle="arc3,rad=0.15" if source != target else "arc3"))
+        axis.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=3,
+                      arrowprops=dict(arrowstyle="-|>", color="#555", shrinkA=2, shrinkB=2, mutation_scale=14,
+                                      patchA=texts[source].get_bbox_patch(), patchB=texts[target].get_bbox_patch(),
+                                      connectionstyle="arc3,rad=0.15"))
         if label:
             axis.text((x0 + x1) / 2, (y0 + y1) / 2, label, fontsize=8, ha="center", va="center", color="#a33",
-                      bbox=dict(facecolor="white", edgecolor="none", pad=1), zorder=3)
+                      bbox=dict(facecolor="white", edgecolor="none", pad=1), zorder=4)
     xs, ys = [x for x, _, _ in boxes.values()], [y for _, y, _ in boxes.values()]
-    axis.set(xlim=(min(xs) - 1.3, max(xs) + 1.3), ylim=(min(ys) - 0.8, max(ys) + 0.8), title=title)
+    axis.set(xlim=(min(xs) - 1.3, max(xs) + 1.3), ylim=(min(ys) - 0.8, max(ys) + 0.8))
+    axis.set_title(title, pad=12)
     axis.axis("off")
     plt.show()
 
@@ -365,7 +368,8 @@ def sequence(actors, messages, title, size=(10, 5)):
         axis.annotate("", xy=(x[target], -row), xytext=(x[source], -row),
                       arrowprops=dict(arrowstyle="-|>", color="#4a6fa5"))
         axis.text((x[source] + x[target]) / 2, -row + 0.15, text, ha="center", fontsize=8)
-    axis.set(xlim=(-0.7, len(actors) - 0.3), ylim=(-depth, 1), title=title)
+    axis.set(xlim=(-0.7, len(actors) - 0.3), ylim=(-depth, 1))
+    axis.set_title(title, pad=24)
     axis.axis("off")
     plt.show()
 
