@@ -121,7 +121,10 @@ def spread(values, fmt):
 def organise(records):
     """{(model, link, repeat): {...}} views of the records."""
     models = {r["model"]: r for r in records if r["kind"] == "model"}
-    link = {(r["model"], r["link"], r["repeat"]): r for r in records if r["kind"] == "link"}
+    # p2p bandwidth from the raw time, as the worker now computes it (runs before 2026-11-22 17:30 subtracted
+    # the latency, which a busy machine measures too noisily to subtract)
+    link = {(r["model"], r["link"], r["repeat"]): {**r, "p2p_bytes_per_s": models[r["model"]]["gradient_bytes"]
+                                                   / r["p2p_s"]} for r in records if r["kind"] == "link"}
     step = {(r["model"], r["link"], r["repeat"], r["knob"]): r for r in records if r["kind"] == "step"}
     accuracy = {(r["model"], r["knob"]): r for r in records if r["kind"] == "accuracy"}
     return models, link, step, accuracy
@@ -149,7 +152,8 @@ def summarize(measured):
         out.append(f"| {name} | {m['gradient_bytes'] // 4:,} | {m['gradient_bytes'] / 1e6:.2f} MB | "
                    f"{m['flops_per_sample'] / 1e6:.1f} M | {intensity:,.0f} |")
     out += ["", "**The links, and one step of each model on them.** p2p: one message of the model's gradient size, "
-            "one way. all-reduce: algbw = size / time (busbw is the same for 2 ranks). compute: one node's step "
+            "one way, timed to the one-number reply. "
+            "all-reduce: algbw = size / time (busbw is the same for 2 ranks). compute: one node's step "
             "with no communication (FLOP/s per rank beside it); balance = FLOP/s ÷ p2p bytes/s. DDP: the default "
             "step (as in the scripts). exposed communication = DDP − compute. predicted: compute + size ÷ p2p "
             "bandwidth + latency (no overlap), and max(compute, that communication) (perfect overlap). "
