@@ -178,6 +178,104 @@ def gradients_before_and_after_all_reduce(rank, world_size):
 
 
 # --- 01_mp_spawn.ipynb: the concepts and the classic mistakes, each in a real 2-process gloo group ----------
+class Processes:
+    """`size` processes started once, that wait for work: run(worker, *args) makes them a gloo process group,
+    calls worker(rank, size, *args) in each, as mp.spawn calls main, and returns what each rank returned, in
+    rank order. Starting a process costs seconds (each imports torch); forming a group in running ones, a
+    fraction of one. A worker must live in an importable module (this one): a fresh process imports it."""
+
+    def __init__(self, size=2):
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")  # fresh interpreters, started the way mp.spawn starts them
+        self.size, self.results, self.jobs = size, context.Queue(), [context.Queue() for _ in range(size)]
+        self.processes = [context.Process(target=serve, args=(rank, size, jobs, self.results), daemon=True)
+                          for rank, jobs in enumerate(self.jobs)]
+        for process in self.processes:
+            process.start()
+
+    def run(self, worker, *args, collective_timeout=60, form_group=True, timeout=300):
+        """form_group=False: the worker forms the group itself (01's main does) from MASTER_ADDR:MASTER_PORT."""
+        import queue
+
+        from helpers import free_port
+
+        port, results, deadline = free_port(), {}, time.monotonic() + timeout
+        for jobs in self.jobs:
+            jobs.put((worker, args, port, collective_timeout, form_group))
+        while len(results) < self.size:
+            dead = [rank for rank, process in enumerate(self.processes) if not process.is_alive()]
+            if dead or time.monotonic() > deadline:  # an error, never a hang
+                self.close()
+                raise RuntimeError(f"ranks {dead} died" if dead else f"{worker.__name__} ran past {timeout} s")
+            try:
+                rank, failed, result = self.results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            results[rank] = (failed, result)
+        for rank, (failed, result) in results.items():  # every rank has answered: the next job starts clean
+            if failed:
+                raise RuntimeError(f"{worker.__name__} failed on rank {rank}:\n{result}")
+        return [results[rank][1] for rank in range(self.size)]
+
+    def close(self):
+        for jobs in self.jobs:
+            jobs.put(None)
+        for process in self.processes:
+            process.join(1)
+            process.kill()  # a process still tearing PyTorch down after a second: nothing of it is needed
+
+
+def serve(rank, size, jobs, results):
+    """What each process of Processes does until it is told to stop: wait for a job; join a process group with
+    the others, as 01's main does (gloo, MASTER_ADDR:MASTER_PORT, its rank, the world size); run the job; leave
+    the group; send back what the job returned."""
+    import queue
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # two processes share this machine's cores
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the scripts' logs: the notebook reads their metrics files
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    parent = os.getppid()
+    while True:
+        try:
+            job = jobs.get(timeout=1)
+        except queue.Empty:
+            if os.getppid() != parent:  # the notebook's kernel is gone: no orphan stays behind
+                return
+            continue
+        if job is None:
+            return
+        worker, args, port, collective_timeout, form_group = job
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            if form_group:
+                dist.init_process_group("gloo", rank=rank, world_size=size,
+                                        timeout=timedelta(seconds=collective_timeout))
+            results.put((rank, False, worker(rank, size, *args)))
+        except (Exception, SystemExit):  # SystemExit: argparse refusing a script's flags
+            results.put((rank, True, traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def script_main(rank, world_size, script, *argv):
+    """What 01's mp.spawn runs in each process: the script's own main(rank, world_size, args), which forms the
+    process group itself. For 00, its main(args), in rank 0 alone: one process."""
+    module = load_script(script)
+    args = module.parse_args([str(part) for part in argv])
+    if script == "00_single_gpu.py":
+        if rank == 0:
+            module.main(args)
+    else:
+        module.main(rank, world_size, args)
+
+
 def barrier_wait(rank, world_size):
     """Rank 1 arrives 1 s late at the barrier; every rank measures how long it waited there."""
     import torch.distributed as dist
@@ -215,6 +313,55 @@ def weights_before_and_after_wrapping(rank, world_size):
     before = layer.weight.detach().clone()
     model = DDP(layer)
     return {"before": before, "after": model.module.weight.detach().clone()}
+
+
+def weights_loaded_after_wrapping(rank, world_size):
+    """Rank 0 loads other weights into model.module after DDP(model) (a mistake on purpose), then each rank
+    takes one SGD step on data of its own: each rank's weights before and after that step."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(3, 1))
+    if rank == 0:  # say, a checkpoint that only rank 0 reads, after the wrap
+        model.module.load_state_dict({"weight": torch.ones(1, 3), "bias": torch.zeros(1)})
+    before = model.module.weight.detach().clone()
+    batch = torch.randn(8, 3, generator=torch.Generator().manual_seed(rank))
+    model(batch).pow(2).mean().backward()  # DDP averages the two ranks' gradients here
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return {"before": before, "after": model.module.weight.detach().clone()}
+
+
+def training_without_a_sampler(rank, world_size):
+    """Mistake 1, trained: a small classifier under DDP, each process with the single-process loader and the
+    same seed. The mean loss of each of 3 epochs, and whether the two ranks trained on the same batches."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    inputs = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(inputs, (inputs.sum(1) > 0).long())  # the same data in every process
+    torch.manual_seed(0)  # like the scripts: the same seed in every process
+    model = DDP(nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, same_batches = [], True
+    for _ in range(3):
+        total, steps = 0.0, 0
+        for batch, labels in DataLoader(data, batch_size=32, shuffle=True):
+            everyone = [torch.empty_like(batch) for _ in range(world_size)]
+            dist.all_gather(everyone, batch)
+            same_batches &= all(torch.equal(other, batch) for other in everyone)
+            loss = F.cross_entropy(model(batch), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total, steps = total + loss.item(), steps + 1
+        losses.append(round(total / steps, 3))
+    return {"losses": losses, "same_batches": same_batches}
 
 
 def state_dicts_of_a_wrapped_model(rank, world_size):
