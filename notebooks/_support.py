@@ -590,7 +590,7 @@ def communication_timings(rank, world_size, repeats=15):
                            for mode in ("DDP (overlapped)", "DDP, bucket_cap_mb=5")},
             "parameters": sum(p.numel() for p in exact), "bf16_relative_error": relative,
             "bf16_identical": all(torch.equal(c.grad, e) for c, e in zip(compressed, exact, strict=True)),
-            "bf16_gradient": compressed[0].grad.clone()}  # to compare across ranks
+            "bf16_gradients": [c.grad.clone() for c in compressed]}  # every parameter's, to compare across ranks
 
 
 def two_heads():
