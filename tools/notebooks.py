@@ -6,7 +6,8 @@ committed output was produced by the committed lesson.
     python tools/notebooks.py --check      # fail if a notebook is stale
 
 A lesson source is a MyST markdown file in jupytext's format: prose as it reads, each code cell a
-```{code-cell}``` block. Edit the .md, not the .ipynb: the notebook is an output. (With jupytext installed,
+```{code-cell}``` block. A step may have more than one notebook (04, then 04b): NN, a letter, then _name.
+Edit the .md, not the .ipynb: the notebook is an output. (With jupytext installed,
 Jupyter opens the .md as a notebook too; both files are paired, `formats: ipynb,md:myst`.) Each executed
 notebook records a hash of its source, the numbered scripts and notebooks/_support.py in its metadata;
 tests/test_notebooks.py checks cells and hash (stale outputs fail), and runs each notebook.
@@ -26,7 +27,7 @@ KERNEL = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 def names():
     """The notebooks, in order: one per lesson source."""
-    return [path.stem for path in sorted(FOLDER.glob("[0-9][0-9]_*.md"))]
+    return [path.stem for path in sorted(FOLDER.glob("[0-9][0-9]*_*.md"))]  # 04 before 04b
 
 
 def source(name):
