@@ -321,10 +321,10 @@ def main(args):
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
 
     model = build_model(args.model, num_classes).to(device)
-    # DDP copies rank 0's weights and buffers to all processes now, and averages gradients in backward(). BatchNorm
-    # normalizes per process; rank 0's running stats are copied to all at every forward (tiny batches: SyncBatchNorm)
-    # device_ids: GPU only. gradient_as_bucket_view: the gradients are views into the buffers DDP all-reduces,
-    # which saves copying them in and out (measured +3 % on 2 CPU processes, see benchmarks/)
+    # DDP copies rank 0's weights and buffers to all now, and averages gradients in backward(). BatchNorm normalizes
+    # per process; rank 0's running stats are copied to all at the first forward and the one after each grad-enabled
+    # forward outside no_sync() (forward_sync_buffers; tiny batches: SyncBatchNorm). gradient_as_bucket_view: .grad
+    # becomes a view into DDP's bucket, which saves the copy back out; new gradients are still copied in (+3 % on CPU)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:

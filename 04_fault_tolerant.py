@@ -12,6 +12,8 @@ so every resume re-ran the epoch it died in.
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=2 --max-restarts=3 \
       --rdzv_backend=c10d --rdzv_endpoint=nodeA:29500 --rdzv_id=job1 --rdzv_conf=join_timeout=60 \
       04_fault_tolerant.py --checkpoint snapshot.pt       # elastic: 1 or 2 nodes, on every node
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a fresh rendezvous store. Set it on every node of every
+multi-node run: without it a run on more than one node is refused (pytorch/pytorch#135712).
 """
 import argparse
 import json
@@ -313,9 +315,14 @@ def init_process_group_per_attempt(backend, timeout):
     """init_process_group that survives torchrun's restarts. torchrun's rendezvous store outlives an attempt,
     and the next attempt's gloo workers can read the previous one's peer addresses and fail or hang
     (pytorch/pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the documented commands) gives every
-    attempt a fresh store; without it, this attempt takes keys of its own in the shared one."""
+    attempt a fresh store. Without it, on one node, this attempt takes keys of its own in the shared store,
+    named by the restart count. On several nodes that count can differ (each agent keeps its own, and a restart
+    for a joining node does not count), so nodes would take different keys and hang: refused."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return dist.init_process_group(backend, timeout=timeout)
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # the number of nodes in this attempt
+        sys.exit("error: on more than one node, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node and use "
+                 "--rdzv_backend=c10d: a restart could hang otherwise (pytorch/pytorch#135712)")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
@@ -381,10 +388,10 @@ def main(args):
     snapshot = load_snapshot(args.checkpoint, device, args.model, num_classes) if args.checkpoint else None
     if snapshot:
         model.load_state_dict(snapshot["model"])
-    # DDP copies rank 0's weights and buffers to all processes now, and averages gradients in backward(). BatchNorm
-    # normalizes per process; rank 0's running stats are copied to all at every forward (tiny batches: SyncBatchNorm)
-    # device_ids: GPU only. gradient_as_bucket_view: the gradients are views into the buffers DDP all-reduces,
-    # which saves copying them in and out (measured +3 % on 2 CPU processes, see benchmarks/)
+    # DDP copies rank 0's weights and buffers to all now, and averages gradients in backward(). BatchNorm normalizes
+    # per process; rank 0's running stats are copied to all at the first forward and the one after each grad-enabled
+    # forward outside no_sync() (forward_sync_buffers; tiny batches: SyncBatchNorm). gradient_as_bucket_view: .grad
+    # becomes a view into DDP's bucket, which saves the copy back out; new gradients are still copied in (+3 % on CPU)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:
@@ -477,8 +484,9 @@ if __name__ == "__main__":
     elif "LOCAL_RANK" not in os.environ:
         # Stop rather than train as a world of one: on a cluster, a forgotten launcher would otherwise quietly
         # train on one GPU while the job holds eight.
-        sys.exit(f"{sys.argv[0]} must be started by torchrun on every node: torchrun --nnodes=2 --nproc_per_node=2 "
-                 f"--rdzv_backend=c10d --rdzv_endpoint=FIRST_NODE:29500 --rdzv_id=job1 {sys.argv[0]}")
+        sys.exit(f"{sys.argv[0]} must be started by torchrun on every node: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                 "torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=FIRST_NODE:29500 "
+                 f"--rdzv_id=job1 {sys.argv[0]}")
     else:
         check_inputs(args, world_size=int(os.environ["WORLD_SIZE"]))
         main(args)

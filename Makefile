@@ -1,16 +1,22 @@
-# The two commands of the README:  `make demo`  and  `make test`.  Both set up .venv first when needed.
+# The README's commands: `make demo` and `make test` (both set up .venv first when needed), `make test-root`
+# for the tests that need root, `make test-oldest` for the oldest supported torch (README: Versions).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+OLDEST := .venv-oldest
 # One process per GPU when there are GPUs, else 2 CPU processes.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 2)
 # A quick subset of the tests: nothing that starts processes.
 QUICK := not launch and not multiproc and not multihost and not faults and not slurm and not notebooks
+# On the oldest torch: the tests that launch the numbered scripts (each trains; 04 killed and resumed; the
+# preemption path) and the sbatch files on the local Slurm cluster (root; skipped without it).
+OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_slurm.py
 
-.PHONY: setup demo test test-quick diffs lint clean
+.PHONY: setup demo test test-quick test-root test-oldest lock diffs lint clean
 
 setup: $(VENV)/.installed
 
+# requirements.txt is the lock: exact versions of everything, generated from requirements.in (`make lock`).
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -r requirements.txt
@@ -25,6 +31,25 @@ test: setup
 test-quick: setup
 	$(BIN)/pytest -m "$(QUICK)"
 
+# What an ordinary user's `make test` skips: network-namespace hosts, the local Slurm cluster, notebook 06's
+# live shaped link. Run as root: sudo -E make test-root
+test-root: setup
+	$(BIN)/pytest -m root
+
+$(OLDEST)/.installed: requirements-oldest.txt
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --disable-pip-version-check -r requirements-oldest.txt
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/pytest $(OLDEST_TESTS)
+
+# Regenerates both locks from their .in files (a maintainer's step: README, "Moving the pin").
+lock: setup
+	$(BIN)/pip install --disable-pip-version-check --quiet uv
+	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements.in -o requirements.txt
+	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements-oldest.in -o requirements-oldest.txt
+
 diffs: setup
 	$(BIN)/python tools/make_diffs.py
 
@@ -32,4 +57,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache

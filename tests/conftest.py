@@ -1,8 +1,19 @@
 import os
-import shutil
 
 import pytest
-from helpers import CLUSTER_DIR, PYTHON, SLURM, TINY, clean_env, read_metrics, run, run_ok, separate_hosts, torchrun
+from helpers import (
+    CLUSTER_DIR,
+    PYTHON,
+    SLURM,
+    TINY,
+    clean_env,
+    missing_tools,
+    read_metrics,
+    run,
+    run_ok,
+    separate_hosts,
+    torchrun,
+)
 
 # Each script's documented command (the README's ladder table), which the tests run with TINY settings.
 DOCUMENTED = {
@@ -42,8 +53,8 @@ def cluster():
     """The real local Slurm cluster (slurm/local_cluster.sh), started by the first test that needs it and
     stopped at the end of the session, even if a test fails."""
     if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster needs root")
-    missing = [tool for tool in ("slurmctld", "slurmd", "sbatch", "unshare") if shutil.which(tool) is None]
+        pytest.skip("needs root (the local Slurm cluster): sudo -E make test-root runs these")
+    missing = missing_tools("slurmctld", "slurmd", "sbatch", "unshare")
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)}): sudo slurm/local_cluster.sh install")
     env = clean_env(DDP_STEPS_SLURM_DIR=CLUSTER_DIR)
@@ -55,14 +66,23 @@ def cluster():
         run([SLURM / "local_cluster.sh", "down"], timeout=120, env=env)
 
 
-# In CI these must run: a skip there (no root, no Slurm) would turn a missing capability into a green run.
-REQUIRED_IN_CI = {"multihost", "slurm"}
+# Tests that need root (network namespaces, the local Slurm cluster) carry the `root` marker: those that use
+# these fixtures get it here, the others say it themselves. `make test-root` runs just them.
+ROOT_FIXTURES = {"two_hosts", "cluster"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.root)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """In CI, as root, a root test must run: a skip there (no Slurm installed, say) would turn a missing
+    capability into a green run. As an ordinary user (CI's laptop run) they skip, and say why."""
     outcome = yield
     report = outcome.get_result()
-    if os.environ.get("CI") and report.skipped and REQUIRED_IN_CI & {mark.name for mark in item.iter_markers()}:
+    if os.environ.get("CI") and os.geteuid() == 0 and report.skipped and item.get_closest_marker("root"):
         report.outcome = "failed"
-        report.longrepr = f"skipped in CI, where this test must run: {report.longrepr}"
+        report.longrepr = f"skipped in CI as root, where this test must run: {report.longrepr}"

@@ -172,9 +172,20 @@ def hosts_file(name, self_on_loopback):
     return "\n".join(lines) + "\n"
 
 
+SYSTEM_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # where Debian puts ip and tc
+
+
+def missing_tools(*tools):
+    """The tools of `tools` that are not installed: looked for in /usr/sbin and /sbin too, which an ordinary
+    user's PATH leaves out."""
+    return [tool for tool in tools if shutil.which(tool, path=SYSTEM_PATH) is None]
+
+
 def hosts_unavailable(prefix="ddp"):
     """Why network-namespace hosts cannot be made here (no root, no iproute2), or None if they can."""
-    missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    missing = missing_tools("ip", "unshare", "hostname")
     if missing:
         return f"needs {', '.join(missing)} (iproute2, util-linux)"
     try:
@@ -194,7 +205,7 @@ def separate_hosts(self_on_loopback=(), data_link=False, prefix="ddp"):
     failure: deleting a namespace deletes its ends of the veth pairs, and so the pairs."""
     problem = hosts_unavailable(prefix)
     if problem:
-        pytest.skip(problem)
+        pytest.skip(f"{problem}: sudo -E make test-root runs these" if "root" in problem else problem)
     made = []
     try:
         for name in HOSTS:

@@ -7,6 +7,8 @@ import time
 
 import pytest
 from helpers import TORCHRUN, clean_env, finish, free_port, kill_tree, read_metrics, start
+from test_multinode import node_command as two_node_command
+from test_refused_input import assert_refused
 
 pytestmark = pytest.mark.multihost
 
@@ -96,3 +98,21 @@ def test_a_node_that_joins_a_running_job_trains_with_it_in_a_world_of_two(tmp_pa
     assert "stopped by a signal in epoch 1" in outputs[0], "torchrun stopped it for the new member: a snapshot"
     assert sorted(re.findall(r"rank (\d) of 2", "".join(outputs))) == ["0", "1"], "then a world of two"
     check_the_epoch_is_trained_exactly_once("".join(outputs), read_metrics(tmp_path / "metrics.jsonl"), samples, 1, 2)
+
+
+def test_two_nodes_without_a_fresh_store_per_attempt_are_refused_in_bounded_time(tmp_path):
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, 04's per-attempt key prefix is the restart count, which each
+    agent keeps for itself: on two nodes it is refused before the process group forms, on both, in one line.
+    --max-restarts=0: torchrun would otherwise restart the refused workers."""
+    command = two_node_command(f"127.0.0.1:{free_port()}", "refused", "--checkpoint", tmp_path / "snapshot.pt",
+                               join_timeout=30, script="04_fault_tolerant.py")
+    command.insert(1, "--max-restarts=0")
+    env = {key: value for key, value in clean_env().items() if key != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    began = time.monotonic()
+    agents = [start(command, env), start(command, env)]
+    results = [finish(agent, timeout=120) for agent in agents]
+    for result in results:
+        assert_refused(result, "error: on more than one node, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every "
+                       "node", tmp_path)
+        assert "rank 0 of" not in result.stdout, "refused before init_process_group"
+    assert time.monotonic() - began < 90

@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from helpers import TORCHRUN, finish, free_port, in_host, on_host, start
+from helpers import TORCHRUN, clean_env, finish, free_port, in_host, on_host, start
 
 pytestmark = pytest.mark.multihost
 
@@ -66,12 +66,19 @@ def check_two_node_run(outputs, checkpoints, form, hostnames=None):
 
 @pytest.mark.parametrize("form", ["c10d", "static"])
 def test_two_nodes_over_loopback(tmp_path, form):
+    """Also: the workers' MASTER_PORT (the store init_process_group connects to). Static: the store at
+    --master_port. c10d: a second store, which node rank 0's agent starts on a free port, not the endpoint's
+    (dynamic_rendezvous.py, next_rendezvous): a firewall must let that port through as well."""
     checkpoints = [tmp_path / "nodeA.pt", tmp_path / "nodeB.pt"]
-    agents = [start(command) for command in commands(form, "127.0.0.1", free_port(), checkpoints)]
+    port = free_port()
+    agents = [start(command, env=clean_env(LOGLEVEL="INFO"))  # INFO: the agents log the workers' master_port
+              for command in commands(form, "127.0.0.1", port, checkpoints)]
     results = [finish(agent, timeout=240) for agent in agents]
     for result in results:
         assert result.returncode == 0, result.stdout[-3000:]
     check_two_node_run([result.stdout for result in results], checkpoints, form)
+    (master_port,) = {int(found) for result in results for found in re.findall(r"master_port=(\d+)", result.stdout)}
+    assert (master_port == port) == (form == "static"), f"workers' MASTER_PORT {master_port}, endpoint {port}"
 
 
 def test_a_missing_node_fails_in_bounded_time_with_a_clear_message():

@@ -87,6 +87,7 @@ def test_plain_python_checks_this_machine_alone():
 
 
 @pytest.mark.multihost
+@pytest.mark.root
 def test_two_separate_hosts_are_ok_and_both_named():
     with separate_hosts() as hosts:
         results, _ = run_nodes([in_host(name, preflight_node("nodeA:29400", "pre-hosts")) for name in hosts])
@@ -102,6 +103,7 @@ def test_two_separate_hosts_are_ok_and_both_named():
 
 
 @pytest.mark.multihost
+@pytest.mark.root
 def test_a_host_whose_name_resolves_to_loopback_is_flagged_with_the_fix():
     """nodeB's hosts file maps its own name to 127.0.1.1 (what Debian's installer writes): the rendezvous still
     works (nodeB only connects out), but gloo on nodeB announces 127.0.1.1, which on nodeA is nodeA itself."""
@@ -121,6 +123,7 @@ def test_a_host_whose_name_resolves_to_loopback_is_flagged_with_the_fix():
 
 
 @pytest.mark.multihost
+@pytest.mark.root
 def test_a_cut_link_fails_in_bounded_time_and_says_where():
     """The nodes meet over one network (the rendezvous works) and are told to exchange data over a second one
     (GLOO_SOCKET_IFNAME, as on a cluster with a fast fabric), whose link on nodeB is down."""

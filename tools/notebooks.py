@@ -9,8 +9,9 @@ A lesson source is a MyST markdown file in jupytext's format: prose as it reads,
 ```{code-cell}``` block. A step may have more than one notebook (04, then 04b): NN, a letter, then _name.
 Edit the .md, not the .ipynb: the notebook is an output. (With jupytext installed,
 Jupyter opens the .md as a notebook too; both files are paired, `formats: ipynb,md:myst`.) Each executed
-notebook records a hash of its source, the numbered scripts and notebooks/_support.py in its metadata;
-tests/test_notebooks.py checks cells and hash (stale outputs fail), and runs each notebook.
+notebook records a hash of its source, the numbered scripts and notebooks/_support.py in its metadata, and the
+torch version it ran with; tests/test_notebooks.py checks cells, hash and version (stale outputs fail: a new torch
+means re-executing every notebook), and runs each notebook.
 """
 import hashlib
 import sys
@@ -46,12 +47,19 @@ def source_hash(name):
     return digest.hexdigest()
 
 
+def torch_version():
+    """The installed torch's version, without importing it (seconds saved in every check)."""
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 def build(name):
     notebook = jupytext.read(source(name))
     notebook.metadata["kernelspec"] = KERNEL
     notebook.metadata["jupytext"] = {"formats": "ipynb,md:myst"}
     notebook.metadata["ddp_steps"] = {"source_sha256": source_hash(name), "source": f"notebooks/{name}.md",
-                                      "generated_by": "python tools/notebooks.py"}
+                                      "generated_by": "python tools/notebooks.py", "torch": torch_version()}
     return notebook
 
 
@@ -79,6 +87,9 @@ def check():
                 committed.metadata.get("ddp_steps", {}).get("source_sha256") != source_hash(name):
             problems.append(f"{path.name} is stale (notebooks/{name}.md, the scripts or _support.py changed since "
                             f"it was executed): run python tools/notebooks.py {name[:2]}")
+        elif (ran_with := committed.metadata.get("ddp_steps", {}).get("torch")) != torch_version():
+            problems.append(f"{path.name} was executed with torch {ran_with}, the installed torch is "
+                            f"{torch_version()}: run python tools/notebooks.py (README: Versions)")
     for problem in problems:
         print("error:", problem, file=sys.stderr)
     return 1 if problems else 0
