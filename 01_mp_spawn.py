@@ -315,7 +315,7 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
     # DDP copies rank 0's weights and buffers to all now, and averages gradients in backward(). BatchNorm normalizes
     # per process; rank 0's running stats are copied to all at the first forward and the one after each grad-enabled
     # forward outside no_sync() (forward_sync_buffers; tiny batches: SyncBatchNorm). gradient_as_bucket_view: .grad
-    # becomes a view into DDP's bucket, which saves the copy back out; new gradients are still copied in (+3 % on CPU)
+    # becomes a view into DDP's bucket: saves the copy back out, not the copy in (gain not resolved on CPU)
     model = DDP(model, device_ids=[rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:

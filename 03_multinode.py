@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
@@ -280,6 +281,7 @@ def evaluate_checkpoint(args):
     print(json.dumps({"checkpoint": args.evaluate, "val_loss": val_loss, "val_accuracy": val_accuracy}))
 
 
+@record  # under torchrun: a worker's exception and traceback go into torchrun's failure summary
 def main(args):
     # torchrun started this process and says who it is: its rank among all processes, its index on this
     # machine (which GPU it drives), and how many processes there are
@@ -324,7 +326,7 @@ def main(args):
     # DDP copies rank 0's weights and buffers to all now, and averages gradients in backward(). BatchNorm normalizes
     # per process; rank 0's running stats are copied to all at the first forward and the one after each grad-enabled
     # forward outside no_sync() (forward_sync_buffers; tiny batches: SyncBatchNorm). gradient_as_bucket_view: .grad
-    # becomes a view into DDP's bucket, which saves the copy back out; new gradients are still copied in (+3 % on CPU)
+    # becomes a view into DDP's bucket: saves the copy back out, not the copy in (gain not resolved on CPU)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:

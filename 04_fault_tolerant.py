@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import transforms
@@ -285,9 +286,9 @@ def save_checkpoint(path, checkpoint):
     dist.barrier()
 
 
-def load_snapshot(path, device, model_name, num_classes):
-    """The newest usable snapshot of PATH and PATH.prev, or None if neither exists. Every rank reads it."""
-    candidates = [p for p in (path, path + ".prev") if os.path.exists(p)]
+def load_snapshot(args, device, num_classes):
+    """(The newest usable snapshot of PATH or PATH.prev, the flags changed since), or (None, []). All ranks read it."""
+    candidates = [p for p in (args.checkpoint, args.checkpoint + ".prev") if os.path.exists(p)]
     for candidate in candidates:
         try:  # weights_only: a snapshot is a pickle, and unpickling an untrusted one could run arbitrary code
             snapshot = torch.load(candidate, map_location=device, weights_only=True)
@@ -295,13 +296,21 @@ def load_snapshot(path, device, model_name, num_classes):
             log(f"warning: snapshot {candidate} is unusable ({type(error).__name__}); trying the previous one")
             continue
         if not isinstance(snapshot, dict) or "optimizer" not in snapshot or (
-                snapshot["model_name"], snapshot["num_classes"]) != (model_name, num_classes):
-            sys.exit(f"error: --checkpoint {candidate}: not a snapshot of --model {model_name} with {num_classes} "
+                snapshot["model_name"], snapshot["num_classes"]) != (args.model, num_classes):
+            sys.exit(f"error: --checkpoint {candidate}: not a snapshot of --model {args.model} with {num_classes} "
                      "classes; give another path to start over")
-        return snapshot
+        # a resume computes what the snapshot's run would have (on any world size): flags that change it are refused
+        changed = {name: f"--{name.replace('_', '-')} {value} (snapshot: {snapshot['args'].get(name)})"
+                   for name, value in vars(args).items() if value != snapshot["args"].get(name)}
+        refused = [said for name, said in changed.items() if name in (
+            "model", "data", "train_samples", "seed", "epochs", "lr", "batch_size", "grad_accum", "amp")]
+        if refused:
+            sys.exit(f"error: --checkpoint {candidate}: a resume cannot change {', '.join(refused)}; repeat the "
+                     "snapshot's values, or give another --checkpoint path to start afresh")
+        return snapshot, list(changed.values())  # the rest (workers, paths, intervals, device...) follows this command
     if candidates:
         sys.exit(f"error: no usable snapshot among {', '.join(candidates)}; move them away to start over")
-    return None
+    return None, []
 
 
 def ignore_stop_signals(worker_id):
@@ -346,6 +355,7 @@ def evaluate_checkpoint(args):
     print(json.dumps({"checkpoint": args.evaluate, "val_loss": val_loss, "val_accuracy": val_accuracy}))
 
 
+@record  # under torchrun: a worker's exception and traceback go into torchrun's failure summary
 def main(args):
     # torchrun started this process and says who it is: its rank among all processes, its index on this
     # machine (which GPU it drives), and how many processes there are
@@ -385,13 +395,13 @@ def main(args):
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
 
     model = build_model(args.model, num_classes).to(device)
-    snapshot = load_snapshot(args.checkpoint, device, args.model, num_classes) if args.checkpoint else None
+    snapshot, followed = load_snapshot(args, device, num_classes) if args.checkpoint else (None, [])
     if snapshot:
         model.load_state_dict(snapshot["model"])
     # DDP copies rank 0's weights and buffers to all now, and averages gradients in backward(). BatchNorm normalizes
     # per process; rank 0's running stats are copied to all at the first forward and the one after each grad-enabled
     # forward outside no_sync() (forward_sync_buffers; tiny batches: SyncBatchNorm). gradient_as_bucket_view: .grad
-    # becomes a view into DDP's bucket, which saves the copy back out; new gradients are still copied in (+3 % on CPU)
+    # becomes a view into DDP's bucket: saves the copy back out, not the copy in (gain not resolved on CPU)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     raw_model = model.module  # the plain model inside DDP: checkpoints hold it, with no "module." prefix
     if args.compile:
@@ -409,7 +419,8 @@ def main(args):
         random.setstate(snapshot["rng"]["python"])
         start_epoch, samples_done = snapshot["epoch"] + 1, snapshot["samples_done"]
         log(f"resumed from {args.checkpoint}: epoch {start_epoch}, {samples_done} samples into it; world size "
-            f"{snapshot['world_size']} then, {world_size} now")
+            f"{snapshot['world_size']} then, {world_size} now" + (f"; from this command: {', '.join(followed)}" if
+                                                                   followed else ""))
 
     def make_snapshot(epochs_done, samples_done):  # everything the next step depends on, not only the weights
         return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,

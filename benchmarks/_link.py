@@ -3,7 +3,8 @@ the sending side of each end of the veth pair that joins the two namespace hosts
 the end it leaves from, so both directions get the rate, as on a full-duplex network port.
 
 Only bandwidth can be shaped here: this kernel has `tbf` and `htb` but not `netem`, so latency cannot be added
-(the veth pair's own round trip, tens of microseconds through gloo, is what every link class has).
+(the veth pair's own round trip is what every link class has: an all-reduce of one number through gloo took
+144-459 us in the published run, benchmarks/shaped_link.json, torch 2.14.1).
 """
 import subprocess
 
@@ -12,9 +13,10 @@ import subprocess
 # here (one CPU core) computes ~10-40 GFLOP/s on these models (shaped_link.py measures and prints it); the
 # rates below give it the balance of real GPU clusters (README, "Scaling across machines"):
 LINKS = {
-    "unlimited": None,  # the bare veth pair, ~9 Gbit/s: faster, for its compute, than any real cluster
-    "datacenter": "50mbit",  # ~6,000 FLOP/B: 8 GPUs per node, a 200-400 Gbit/s NIC per GPU (RoCE or InfiniBand)
-    "slow": "10mbit",  # ~30,000 FLOP/B: 8 GPUs sharing a node's one or two 100 Gbit/s Ethernet ports
+    "unlimited": None,  # the bare veth pair, limited by how fast the CPU copies (0.4-14 Gbit/s point to point
+    # in the published run): faster, for its compute, than any real cluster
+    "datacenter": "50mbit",  # ~6,400 FLOP/B at 40 GFLOP/s: 8 GPUs per node, a 200-400 Gbit/s NIC per GPU
+    "slow": "10mbit",  # ~32,000 FLOP/B: 8 GPUs sharing about 250 Gbit/s (two or three 100 Gbit/s Ethernet ports)
 }
 
 

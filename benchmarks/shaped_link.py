@@ -45,9 +45,15 @@ ONE_NODE = "one node (no communication)"
 
 
 def problem(prefix=PREFIX):
-    """Why the benchmark cannot run here, or None."""
-    if shutil.which("tc") is None:
-        return "needs tc (iproute2)"
+    """Why the benchmark cannot run here, or None. Root first: an ordinary user often lacks /usr/sbin and /sbin
+    in PATH, where tc and ip live, but what stops them is the missing root, not the tools."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc qdiscs); running as an ordinary user"
+    for tool in ("tc", "ip"):
+        if shutil.which(tool) is None:
+            found = [str(Path(d) / tool) for d in ("/usr/sbin", "/sbin") if (Path(d) / tool).is_file()]
+            return (f"{tool} is in {found[0]} but not in PATH: add {Path(found[0]).parent} to PATH" if found
+                    else f"needs {tool} (iproute2), not found in PATH, /usr/sbin or /sbin")
     return hosts_unavailable(prefix)
 
 

@@ -61,7 +61,7 @@ def wrap(model, knob):
     options = {key: value for key, value in knob.items() if key not in ("hook", "powersgd_rank", "accumulate")}
     ddp = DDP(model, **{"gradient_as_bucket_view": True, **options})
     if knob.get("hook") == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # halves the bytes; sums in fp32
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)  # casts to fp16, divides, sums in fp16
     elif knob.get("hook") == "bf16":
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif knob.get("hook") == "powersgd":  # low-rank P, Q instead of each weight matrix; error feedback keeps
@@ -282,7 +282,8 @@ def main():
     parser.add_argument("--links", required=True, help="NAME=RATE,... (RATE as tc writes it, or none)")
     parser.add_argument("--knobs", default=",".join(KNOBS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=4, help="about how long each knob is timed per repeat")
+    parser.add_argument("--seconds", type=float, default=4,
+                        help="about how long each knob is timed per repeat: as many steps as fit, 3 to 20")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--accuracy-samples", type=int, default=4096, help="0: no accuracy runs")
     parser.add_argument("--accuracy-epochs", type=int, default=2)

@@ -43,6 +43,13 @@ def clean_env(**extra):
     return env
 
 
+def nodes_env(**extra):
+    """The environment of each "node" of a multi-node test. The nodes share this 2-core machine, and with one
+    process per node the scripts would give each process every core (torchrun sets OMP_NUM_THREADS=1 only when
+    a node has several): 4 threads on 2 cores, several times slower. One thread each, as the notebooks do."""
+    return clean_env(OMP_NUM_THREADS=1, **extra)
+
+
 def start(command, env=None, cwd=REPO, output=subprocess.PIPE):
     """Starts a command in a session of its own, output (stdout and stderr together) captured as text, or
     written to the open file `output` (for long runs: nobody reads a pipe while they run, and a full pipe

@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from helpers import TORCHRUN, clean_env, finish, free_port, kill_tree, read_metrics, start
+from helpers import TORCHRUN, clean_env, finish, free_port, kill_tree, nodes_env, read_metrics, start
 from test_multinode import node_command as two_node_command
 from test_refused_input import assert_refused
 
@@ -26,7 +26,7 @@ def node_command(endpoint, hosts_store, snapshot, metrics, samples):
 
 
 # Snapshots every step, each held 0.1 s by rank 0: an epoch lasts long enough to change the world in it.
-ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, SNAPSHOT_WRITE_DELAY=0.1)
+ENV = nodes_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, SNAPSHOT_WRITE_DELAY=0.1)
 
 
 def launch(tmp_path, name, hosts_store, endpoint, samples):

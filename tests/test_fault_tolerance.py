@@ -1,6 +1,9 @@
 """04_fault_tolerant.py loses nothing: killed workers, a writer killed mid-write, a truncated or malicious
 snapshot, SIGTERM and SIGUSR1, and ten restarts in a row all end with exactly the parameters of a run that
-was never interrupted (bitwise: CPU, gloo, same seed)."""
+was never interrupted (bitwise: CPU, gloo, same seed). A resume that would change what the run computes is
+refused; one that changes only how it runs goes on."""
+import contextlib
+import io
 import os
 import pickle
 import random
@@ -11,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import TORCHRUN, clean_env, finish, start
+from helpers import TORCHRUN, clean_env, finish, load_script, start
 
 pytestmark = pytest.mark.faults
 
@@ -191,3 +194,77 @@ def test_ten_restarts_in_a_row_without_a_hang(reference, tmp_path):
     assert code == 0, output[-3000:]
     assert output.count("resumed from") == 10
     assert_same_as_reference(reference, output, snapshot)
+
+
+# --- a resume with other flags: what must not change is refused, the rest follows the command -----------------
+
+# Per flag of 04's argparse: does a resume refuse a new value (True), or take it from the command (False)?
+# Refused: what the snapshot's run computes (its model, data, seed, learning rate and schedule length, batch per
+# process, accumulation, precision). Taken: how and where it runs. The world size is not a flag: elastic.
+RESUME_REFUSES = {"--epochs": ("3", True), "--seed": ("5", True), "--lr": ("0.1", True), "--batch-size": ("16", True),
+                  "--grad-accum": ("2", True), "--model": ("resnet18", True), "--data": ("images", True),
+                  "--train-samples": ("4096", True), "--amp": (None, True),
+                  "--val-samples": ("32", False), "--data-dir": ("elsewhere", False), "--download": (None, False),
+                  "--device": ("cpu", False), "--num-workers": ("2", False), "--save-every": ("2", False),
+                  "--save-every-steps": ("10", False), "--compile": (None, False), "--tensorboard": ("tb", False),
+                  "--metrics": ("m.jsonl", False), "--timeout": ("60", False)}
+
+
+def test_every_flag_has_a_resume_rule():
+    module = load_script(SCRIPT)
+    everything = {"--" + name.replace("_", "-") for name in vars(module.parse_args([]))}
+    assert everything - set(RESUME_REFUSES) == {"--checkpoint", "--evaluate"}  # the snapshot itself; not a run
+
+
+@pytest.mark.parametrize("flag", RESUME_REFUSES)
+def test_a_resume_refuses_or_follows_each_flag(flag, tmp_path):
+    """In-process: the script's own load_snapshot, given a snapshot saved by a run with the default flags."""
+    module, snapshot = load_script(SCRIPT), tmp_path / "snapshot.pt"
+    value, refused = RESUME_REFUSES[flag]
+    saved = vars(module.parse_args(["--checkpoint", str(snapshot)]))
+    torch.save({"model_name": "cnn", "num_classes": 10, "optimizer": {}, "args": saved}, snapshot)
+    args = module.parse_args(["--checkpoint", str(snapshot), flag, *([value] if value else [])])
+    with contextlib.redirect_stdout(io.StringIO()):
+        if refused:
+            with pytest.raises(SystemExit) as stop:
+                module.load_snapshot(args, "cpu", 10)
+            name = flag[2:].replace("-", "_")
+            expected = (f"a resume cannot change {flag} {getattr(args, name)} (snapshot: {saved[name]}); repeat the "
+                        "snapshot's values, or give another --checkpoint path to start afresh")
+            if flag == "--model":  # refused by the older check of the model and class count, before this one
+                expected = "not a snapshot of --model resnet18 with 10 classes; give another path to start over"
+            assert stop.value.code == f"error: --checkpoint {snapshot}: {expected}"
+        else:
+            _, followed = module.load_snapshot(args, "cpu", 10)
+            assert [line.split(" (snapshot")[0].split()[0] for line in followed] == [flag]
+
+
+def test_a_resume_with_other_epochs_and_seed_is_refused_before_any_step(reference, tmp_path):
+    """The finished reference run (2 epochs) resumed with --epochs 3 --seed 5: its schedule would restart at the
+    peak learning rate, on data reshuffled for another model. Both ranks refuse, in one line each."""
+    _, folder = reference
+    snapshot = tmp_path / "snapshot.pt"
+    snapshot.write_bytes((folder / "snapshot.pt").read_bytes())
+    before = snapshot.read_bytes()
+    run = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor-interval=1",  # both ranks get to say it
+           *command(snapshot, 0, "--epochs", "3", "--seed", "5")[3:]]
+    code, output = wait(*launch(tmp_path, "run", run), timeout=120)
+    assert code != 0
+    assert output.count(f"error: --checkpoint {snapshot}: a resume cannot change --epochs 3 (snapshot: 2), --seed 5 "
+                        "(snapshot: 0); repeat the snapshot's values, or give another --checkpoint path") == 2, output
+    assert not re.search(r'\d\d_\w+\.py", line', output), "a traceback through the script"
+    assert "epoch 3/" not in output and "saved snapshot" not in output
+    assert snapshot.read_bytes() == before and not (tmp_path / "snapshot.pt.prev").exists(), "snapshot untouched"
+
+
+def test_a_resume_on_another_world_size_with_other_workers_goes_on_and_says_so(reference, tmp_path):
+    checksum, folder = reference
+    snapshot = tmp_path / "snapshot.pt"
+    snapshot.write_bytes((folder / "snapshot.pt").read_bytes())
+    run = [TORCHRUN, "--standalone", "--nproc_per_node=1", "--max-restarts=0", SCRIPT, *TRAIN, "--checkpoint", snapshot,
+           "--num-workers", "2"]
+    code, output = wait(*launch(tmp_path, "run", run), timeout=120)
+    assert code == 0, output[-3000:]
+    assert (f"resumed from {snapshot}: epoch 3, 0 samples into it; world size 2 then, 1 now; from this command: "
+            f"--num-workers 2 (snapshot: 0), --checkpoint {snapshot} (snapshot: {folder / 'snapshot.pt'})") in output
+    assert checksums(output) == {checksum}

@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from helpers import TORCHRUN, clean_env, finish, free_port, in_host, on_host, start
+from helpers import TORCHRUN, finish, free_port, in_host, nodes_env, on_host, start
 
 pytestmark = pytest.mark.multihost
 
@@ -71,7 +71,7 @@ def test_two_nodes_over_loopback(tmp_path, form):
     (dynamic_rendezvous.py, next_rendezvous): a firewall must let that port through as well."""
     checkpoints = [tmp_path / "nodeA.pt", tmp_path / "nodeB.pt"]
     port = free_port()
-    agents = [start(command, env=clean_env(LOGLEVEL="INFO"))  # INFO: the agents log the workers' master_port
+    agents = [start(command, env=nodes_env(LOGLEVEL="INFO"))  # INFO: the agents log the workers' master_port
               for command in commands(form, "127.0.0.1", port, checkpoints)]
     results = [finish(agent, timeout=240) for agent in agents]
     for result in results:
@@ -103,7 +103,7 @@ def bytes_sent(name):
 def test_two_separate_hosts(two_hosts, tmp_path, form):
     checkpoints = [tmp_path / f"{name}.pt" for name in two_hosts]
     before = {name: bytes_sent(name) for name in two_hosts}
-    agents = [start(in_host(name, command)) for name, command in
+    agents = [start(in_host(name, command), env=nodes_env()) for name, command in
               zip(two_hosts, commands(form, "nodeA", 29400, checkpoints), strict=True)]
     results = [finish(agent, timeout=240) for agent in agents]
     for result in results:

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import PYTHON, finish, free_port, kill_tree, run, run_group, start
+from helpers import PYTHON, REPO, TORCHRUN, clean_env, finish, free_port, kill_tree, run, run_group, start
 from test_multinode import TRAIN, node_command
 from torch import nn
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -117,3 +117,129 @@ def unused_parameters(rank, world_size, find_unused):
 def test_unused_parameters_need_find_unused_parameters():
     assert "find_unused_parameters=True" in run_group(unused_parameters, 2, False)[0]
     assert run_group(unused_parameters, 2, True) == ["ok", "ok"]
+
+class WithAMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def embed(self, x):  # a method of the model's own, besides forward
+        return self.layer(x)
+
+def ddp_mistakes(rank, world_size):
+    """Two mistakes in one group: a model built differently on one rank, and a custom method called through DDP."""
+    said = {}
+    try:
+        DDP(nn.Sequential(nn.Linear(4, 2), *[nn.Linear(2, 2)] * (rank == 1)))  # e.g. a head added `if rank == 1:`
+    except RuntimeError as error:
+        said["different model"] = str(error)
+    model = DDP(WithAMethod())
+    try:
+        model.embed(torch.ones(1, 4))
+    except AttributeError as error:
+        said["custom method"] = str(error)
+    said["through module"] = tuple(model.module.embed(torch.ones(1, 4)).shape)
+    x = torch.full((1, 4), float(rank))  # other data on each rank
+    for how, forward in (("module", model.module.embed), ("DDP", model)):
+        model.zero_grad()
+        forward(x).sum().backward()
+        said[f"gradient through {how}"] = model.module.layer.weight.grad.sum().item()
+    return said
+
+@pytest.fixture(scope="module")
+def ddp_mistakes_said():
+    return run_group(ddp_mistakes, 2, collective_timeout=20)
+
+@pytest.mark.multiproc
+def test_a_model_built_differently_on_one_rank_is_refused_by_ddp(ddp_mistakes_said):
+    assert [said["different model"] for said in ddp_mistakes_said] == [
+        "DDP expects same model across all ranks, but Rank 0 has 2 params, while rank 1 has inconsistent 4 params.",
+        "DDP expects same model across all ranks, but Rank 1 has 4 params, while rank 0 has inconsistent 2 params."]
+
+@pytest.mark.multiproc
+def test_a_custom_method_is_reached_through_module(ddp_mistakes_said):
+    said = ddp_mistakes_said[0]
+    assert said["custom method"] == "'DistributedDataParallel' object has no attribute 'embed'"
+    assert said["through module"] == (1, 2)
+    # but DDP averages only the gradients of work done through its forward: through .module, ranks drift apart
+    assert [said["gradient through module"] for said in ddp_mistakes_said] == [0.0, 8.0]
+    assert [said["gradient through DDP"] for said in ddp_mistakes_said] == [4.0, 4.0]
+
+SPAWN = """import torch.multiprocessing as mp
+
+
+def work(rank):
+    print("worker", rank)
+
+
+{}mp.spawn(work, nprocs=1)
+"""
+
+@pytest.mark.launch
+def test_mp_spawn_without_the_main_guard_fails_at_once(tmp_path):
+    """spawn starts a fresh interpreter that imports the script again: unguarded, the import calls mp.spawn again."""
+    (tmp_path / "train.py").write_text(SPAWN.format(""))
+    result = run([PYTHON, tmp_path / "train.py"], timeout=60)
+    assert result.returncode != 0
+    assert ("RuntimeError: An attempt has been made to start a new process before the current process has finished "
+            "its bootstrapping phase.") in " ".join(result.stdout.split())
+    assert "ProcessExitedException: process 0 terminated with exit code 1" in result.stdout
+
+@pytest.mark.launch
+def test_mp_spawn_of_a_function_defined_in_a_notebook_fails_at_once(tmp_path):
+    """Code run from a notebook cell (here `python -c`: the same, __main__ has no file) defines `work` where the
+    spawned process cannot import it. The guard is no help: __name__ is "__main__" in a notebook."""
+    result = run([PYTHON, "-c", SPAWN.format('if __name__ == "__main__":\n    ')], timeout=60, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "AttributeError: Can't get attribute 'work' on <module '__main__' (built-in)>" in result.stdout
+
+FAILING_WORKERS = """import os, signal, sys, time
+from pathlib import Path
+
+rank, folder = int(os.environ["RANK"]), Path(sys.argv[1])
+if rank < 4:  # the failing ones end their own way even if torchrun, seeing another fail first, sends SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+(folder / str(rank)).touch()
+while len(list(folder.iterdir())) < int(os.environ["WORLD_SIZE"]):  # all started: they fail together
+    time.sleep(0.01)
+if rank == 0:
+    raise ValueError("a bug")
+if rank < 4:
+    os.kill(os.getpid(), (signal.SIGKILL, signal.SIGBUS, signal.SIGABRT)[rank - 1])
+time.sleep(60)  # still running when the others fail: torchrun stops it
+"""
+
+@pytest.mark.launch
+def test_torchrun_names_each_failed_workers_exit_code(tmp_path):
+    """One launch, five workers: an exception, SIGKILL (the OOM killer), SIGBUS (/dev/shm full), SIGABRT (an
+    abort), and one still running that torchrun stops with SIGTERM. No @record: no error file, no traceback."""
+    (tmp_path / "workers.py").write_text(FAILING_WORKERS)
+    (tmp_path / "started").mkdir()
+    result = run([TORCHRUN, "--standalone", "--nproc_per_node=5", tmp_path / "workers.py", tmp_path / "started"],
+                 timeout=90)
+    assert result.returncode == 1
+    summary = re.sub(r"pid: \d+", "pid: PID", result.stdout[result.stdout.index("workers.py FAILED"):])
+    ends = [(1, ""), (-9, "SIGKILL"), (-7, "SIGBUS"), (-6, "SIGABRT"), (-15, "SIGTERM")]  # by rank
+    for rank, (exitcode, signal) in enumerate(ends):
+        shown = f" ({signal})" if signal else ""
+        assert (f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {exitcode} (pid: PID) {shown}\n"
+                "  error_file: <N/A>\n") in summary, summary
+    assert "traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html" in summary
+    assert "traceback : Signal 9 (SIGKILL) received by PID" in summary
+
+@pytest.mark.launch
+def test_with_record_torchrun_names_the_exception_and_its_line(tmp_path):
+    """02-04 decorate main with @record: a worker's exception reaches torchrun's summary through its error file.
+    The exception here: the test hook DATA_PREPARE_DELAY given a value that is not a number."""
+    result = run([TORCHRUN, "--standalone", "--nproc_per_node=1", "02_torchrun.py", "--train-samples", "256"],
+                 env=clean_env(DATA_PREPARE_DELAY="oops"), timeout=90)
+    assert result.returncode == 1
+    root_cause = result.stdout[result.stdout.index("Root Cause (first observed failure)"):]
+    assert "error_file: <N/A>" not in root_cause and "error.json" in root_cause
+    line = next(number for number, text in enumerate((REPO / "02_torchrun.py").read_text().splitlines(), 1)
+                if "DATA_PREPARE_DELAY" in text)
+    assert f'02_torchrun.py", line {line}, in main' in root_cause, root_cause
+    assert "ValueError: could not convert string to float: 'oops'" in root_cause

@@ -9,7 +9,7 @@ A lesson source is a MyST markdown file in jupytext's format: prose as it reads,
 ```{code-cell}``` block. A step may have more than one notebook (04, then 04b): NN, a letter, then _name.
 Edit the .md, not the .ipynb: the notebook is an output. (With jupytext installed,
 Jupyter opens the .md as a notebook too; both files are paired, `formats: ipynb,md:myst`.) Each executed
-notebook records a hash of its source, the numbered scripts and notebooks/_support.py in its metadata, and the
+notebook records a hash of its source, the numbered scripts and notebooks/lessons/*.py in its metadata, and the
 torch version it ran with; tests/test_notebooks.py checks cells, hash and version (stale outputs fail: a new torch
 means re-executing every notebook), and runs each notebook.
 """
@@ -37,12 +37,13 @@ def source(name):
 
 def source_hash(name):
     """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, the
-    notebooks' support module, and the files of benchmarks/ its code cells name (programs, published figures).
-    Any of them changing makes the committed outputs stale."""
+    notebooks' helpers (notebooks/lessons/), and the files of benchmarks/ its code cells name (programs,
+    published figures). Any of them changing makes the committed outputs stale."""
     code = "\n".join(cell.source for cell in jupytext.read(source(name)).cells if cell.cell_type == "code")
     digest = hashlib.sha256(source(name).read_bytes())
     named = [path for path in sorted((REPO / "benchmarks").glob("*.*")) if f"benchmarks/{path.name}" in code]
-    for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + [FOLDER / "_support.py"] + named:
+    support = [FOLDER / "_support.py", *sorted(FOLDER.glob("lessons/*.py"))]  # the notebooks' helpers
+    for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + support + named:
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -85,8 +86,8 @@ def check():
         committed = nbformat.read(path, as_version=4)
         if cells(committed) != cells(jupytext.read(source(name))) or \
                 committed.metadata.get("ddp_steps", {}).get("source_sha256") != source_hash(name):
-            problems.append(f"{path.name} is stale (notebooks/{name}.md, the scripts or _support.py changed since "
-                            f"it was executed): run python tools/notebooks.py {name[:2]}")
+            problems.append(f"{path.name} is stale (notebooks/{name}.md, the scripts or notebooks/lessons/ changed "
+                            f"since it was executed): run python tools/notebooks.py {name[:2]}")
         elif (ran_with := committed.metadata.get("ddp_steps", {}).get("torch")) != torch_version():
             problems.append(f"{path.name} was executed with torch {ran_with}, the installed torch is "
                             f"{torch_version()}: run python tools/notebooks.py (README: Versions)")
