@@ -12,8 +12,8 @@ so every resume re-ran the epoch it died in.
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=2 --max-restarts=3 \
       --rdzv_backend=c10d --rdzv_endpoint=nodeA:29500 --rdzv_id=job1 --rdzv_conf=join_timeout=60 \
       04_fault_tolerant.py --checkpoint snapshot.pt       # elastic: 1 or 2 nodes, on every node
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a fresh rendezvous store. Set it on every node of every
-multi-node run: without it a run on more than one node is refused (pytorch/pytorch#135712).
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a fresh workers' store (MASTER_ADDR:MASTER_PORT). Set it
+on every node of every multi-node run: without it a run on more than one node is refused (pytorch/pytorch#135712).
 """
 import argparse
 import json
@@ -321,9 +321,9 @@ def ignore_stop_signals(worker_id):
 
 
 def init_process_group_per_attempt(backend, timeout):
-    """init_process_group that survives torchrun's restarts. torchrun's rendezvous store outlives an attempt,
-    and the next attempt's gloo workers can read the previous one's peer addresses and fail or hang
-    (pytorch/pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the documented commands) gives every
+    """init_process_group that survives torchrun's restarts. The workers' store, which torchrun's agent hosts,
+    outlives an attempt, and the next attempt's gloo workers can read the previous one's peer addresses and fail
+    or hang (pytorch/pytorch#135712). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the documented commands) gives every
     attempt a fresh store. Without it, on one node, this attempt takes keys of its own in the shared store,
     named by the restart count. On several nodes that count can differ (each agent keeps its own, and a restart
     for a joining node does not count), so nodes would take different keys and hang: refused."""

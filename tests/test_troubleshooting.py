@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import PYTHON, REPO, TORCHRUN, clean_env, finish, free_port, kill_tree, run, run_group, start
+from helpers import PYTHON, REPO, TORCHRUN, clean_env, finish, free_port, kill_tree, nodes_env, run, run_group, start
 from test_multinode import TRAIN, node_command
 from torch import nn
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -35,13 +35,13 @@ def mismatched_nodes(first_nnodes, second_nnodes):
     """Two agents that disagree on --nnodes, the second started once the first has joined."""
     endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"mismatch-{first_nnodes}-{second_nnodes}"
     began = time.monotonic()
-    first = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=first_nnodes, join_timeout=15))
+    first = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=first_nnodes, join_timeout=15), nodes_env())
     try:
         wait_until_joined(endpoint, rdzv_id)
     except AssertionError:
         kill_tree(first.pid)
         raise
-    second = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=second_nnodes, join_timeout=15))
+    second = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=second_nnodes, join_timeout=15), nodes_env())
     results = [finish(agent, timeout=120) for agent in (first, second)]
     return results, time.monotonic() - began
 

@@ -14,6 +14,7 @@ torch version it ran with; tests/test_notebooks.py checks cells, hash and versio
 means re-executing every notebook), and runs each notebook.
 """
 import hashlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,12 +38,16 @@ def source(name):
 
 def source_hash(name):
     """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, the
-    notebooks' helpers (notebooks/lessons/), and the files of benchmarks/ its code cells name (programs,
+    helpers it imports from notebooks/lessons/, and the files of benchmarks/ its code cells name (programs,
     published figures). Any of them changing makes the committed outputs stale."""
     code = "\n".join(cell.source for cell in jupytext.read(source(name)).cells if cell.cell_type == "code")
     digest = hashlib.sha256(source(name).read_bytes())
     named = [path for path in sorted((REPO / "benchmarks").glob("*.*")) if f"benchmarks/{path.name}" in code]
-    support = [FOLDER / "_support.py", *sorted(FOLDER.glob("lessons/*.py"))]  # the notebooks' helpers
+    imported = {"runs"} | {name.strip() for line in re.findall(r"^from lessons import ([\w, ]+)", code, re.M)
+                           for name in line.split(",")}  # runs: the others import it
+    support = [FOLDER / "lessons" / f"{module}.py" for module in sorted(imported)]
+    if "import _support" in code:  # a lesson not yet moved to notebooks/lessons/
+        support = [FOLDER / "_support.py", *sorted(FOLDER.glob("lessons/*.py"))]
     for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + support + named:
         digest.update(path.read_bytes())
     return digest.hexdigest()
