@@ -46,8 +46,6 @@ def source_hash(name):
     imported = {"runs"} | {name.strip() for line in re.findall(r"^from lessons import ([\w, ]+)", code, re.M)
                            for name in line.split(",")}  # runs: the others import it
     support = [FOLDER / "lessons" / f"{module}.py" for module in sorted(imported)]
-    if "import _support" in code:  # a lesson not yet moved to notebooks/lessons/
-        support = [FOLDER / "_support.py", *sorted(FOLDER.glob("lessons/*.py"))]
     for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + support + named:
         digest.update(path.read_bytes())
     return digest.hexdigest()
