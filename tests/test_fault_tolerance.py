@@ -240,8 +240,8 @@ def test_a_resume_refuses_or_follows_each_flag(flag, tmp_path):
 
 
 def test_a_resume_with_other_epochs_and_seed_is_refused_before_any_step(reference, tmp_path):
-    """The finished reference run (2 epochs) resumed with --epochs 3 --seed 5: its schedule would restart at the
-    peak learning rate, on data reshuffled for another model. Both ranks refuse, in one line each."""
+    """The finished reference run (2 epochs) resumed with --epochs 3 --seed 5: its restored schedule would keep
+    its old length, on data reshuffled for another model. Both ranks refuse, in one line each."""
     _, folder = reference
     snapshot = tmp_path / "snapshot.pt"
     snapshot.write_bytes((folder / "snapshot.pt").read_bytes())
