@@ -182,6 +182,20 @@ def build_model(name, num_classes):
     return model
 
 
+def environment_problem(required, numbers):
+    """What is wrong with the environment variables this script reads, or None: one of `required` not set, one of
+    `numbers` set to something other than a whole number, a rank outside its world. Checked before any work, so
+    that a launcher's environment copied in part, or a typo in a job script, is named in one line, not met later
+    as a KeyError or ValueError traceback."""
+    problems = [f"{name} is not set" for name in required if name not in os.environ]
+    problems += [f"{name}={os.environ[name]!r} is not a whole number" for name in numbers
+                 if not os.environ.get(name, "0").isdecimal()]
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if not problems and {rank, size} <= set(required) and int(os.environ[rank]) >= int(os.environ[size]):
+            problems.append(f"{rank}={os.environ[rank]} is not below {size}={os.environ[size]}")
+    return ", ".join(problems) or None
+
+
 def choose_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,7 +206,7 @@ def log(message):
     print(message, flush=True)
 
 
-def train_one_epoch(model, loader, optimizer, scaler, args, device):
+def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch):
     """One pass over `loader`; returns (mean training loss, samples seen)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
@@ -204,11 +218,19 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
         with autocast(device, args.amp):
             loss = F.cross_entropy(model(images), labels)
         scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if last_micro_step:
+            # a NaN or inf loss (a too high --lr, an fp16 overflow) would make every weight NaN at this step, and
+            # every checkpoint after it garbage: check this epoch's loss sum before the optimizer applies it
+            loss_so_far = totals[0].clone()
+            if not loss_so_far.isfinite():
+                log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
+                    f"before that step changed any weight. Try a lower --lr (this run: {args.lr})"
+                    + " or leave out --amp" * args.amp)
+                sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
-        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if time.perf_counter() - last_report > 10:  # progress during long epochs
             last_report = time.perf_counter()
             log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
@@ -289,7 +311,7 @@ def main(args):
         f"batch {args.batch_size}, {torch.get_num_threads()} CPU threads per process")
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
-        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device)
+        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device, epoch)
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
@@ -311,6 +333,8 @@ def main(args):
 
 if __name__ == "__main__":
     args = parse_args()
+    if problem := environment_problem(required=(), numbers=("WORLD_SIZE",)):  # every variable this script reads
+        sys.exit(f"error: {problem}; start this step as: python {sys.argv[0]}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by `torchrun --nproc_per_node=N`, N > 1
         sys.exit(f"{sys.argv[0]} does not use torchrun's processes: with {os.environ['WORLD_SIZE']} of them it would "
                  "run that many separate jobs. Use torchrun --nproc_per_node=1, or 02_torchrun.py.")

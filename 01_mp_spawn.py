@@ -192,6 +192,20 @@ def build_model(name, num_classes):
     return model
 
 
+def environment_problem(required, numbers):
+    """What is wrong with the environment variables this script reads, or None: one of `required` not set, one of
+    `numbers` set to something other than a whole number, a rank outside its world. Checked before any work, so
+    that a launcher's environment copied in part, or a typo in a job script, is named in one line, not met later
+    as a KeyError or ValueError traceback."""
+    problems = [f"{name} is not set" for name in required if name not in os.environ]
+    problems += [f"{name}={os.environ[name]!r} is not a whole number" for name in numbers
+                 if not os.environ.get(name, "0").isdecimal()]
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if not problems and {rank, size} <= set(required) and int(os.environ[rank]) >= int(os.environ[size]):
+            problems.append(f"{rank}={os.environ[rank]} is not below {size}={os.environ[size]}")
+    return ", ".join(problems) or None
+
+
 def choose_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,7 +217,7 @@ def log(message):
         print(message, flush=True)
 
 
-def train_one_epoch(model, loader, optimizer, scaler, args, device):
+def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch):
     """One pass over `loader`; returns (mean training loss, samples seen)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
@@ -216,11 +230,20 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
         with (nullcontext() if last_micro_step else model.no_sync()), autocast(device, args.amp):
             loss = F.cross_entropy(model(images), labels)
         scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if last_micro_step:
+            # a NaN or inf loss (a too high --lr, an fp16 overflow) would make every weight NaN at this step, and
+            # every checkpoint after it garbage: check this epoch's loss sum before the optimizer applies it
+            loss_so_far = totals[0].clone()
+            dist.all_reduce(loss_so_far)  # summed over ranks: every rank sees the same value and stops at the same step
+            if not loss_so_far.isfinite():
+                log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
+                    f"before that step changed any weight. Try a lower --lr (this run: {args.lr})"
+                    + " or leave out --amp" * args.amp)
+                sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
-        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if time.perf_counter() - last_report > 10:  # progress during long epochs
             last_report = time.perf_counter()
             log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
@@ -333,7 +356,7 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
     for epoch in range(1, args.epochs + 1):
         train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one in every process
         start = time.perf_counter()
-        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device)
+        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device, epoch)
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
@@ -356,6 +379,8 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
 
 if __name__ == "__main__":
     args = parse_args()
+    if problem := environment_problem(required=(), numbers=("WORLD_SIZE", "OMP_NUM_THREADS")):  # all it reads
+        sys.exit(f"error: {problem}; start this step as: python {sys.argv[0]}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by `torchrun --nproc_per_node=N`, N > 1
         sys.exit(f"{sys.argv[0]} does not use torchrun's processes: with {os.environ['WORLD_SIZE']} of them it would "
                  "run that many separate jobs. Use torchrun --nproc_per_node=1, or 02_torchrun.py.")
@@ -368,4 +393,7 @@ if __name__ == "__main__":
         with socket.socket() as sock:  # a free port from the OS; a fixed one (12355) clashes with other runs
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-        mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)  # main(rank, nproc, args) in nproc processes
+        try:
+            mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)  # main(rank, nproc, args) in nproc processes
+        except mp.ProcessExitedException as error:  # it printed why (a diverged loss, say): one line, no traceback
+            sys.exit(f"error: {error}")

@@ -188,6 +188,20 @@ def build_model(name, num_classes):
     return model
 
 
+def environment_problem(required, numbers):
+    """What is wrong with the environment variables this script reads, or None: one of `required` not set, one of
+    `numbers` set to something other than a whole number, a rank outside its world. Checked before any work, so
+    that a launcher's environment copied in part, or a typo in a job script, is named in one line, not met later
+    as a KeyError or ValueError traceback."""
+    problems = [f"{name} is not set" for name in required if name not in os.environ]
+    problems += [f"{name}={os.environ[name]!r} is not a whole number" for name in numbers
+                 if not os.environ.get(name, "0").isdecimal()]
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if not problems and {rank, size} <= set(required) and int(os.environ[rank]) >= int(os.environ[size]):
+            problems.append(f"{rank}={os.environ[rank]} is not below {size}={os.environ[size]}")
+    return ", ".join(problems) or None
+
+
 def choose_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,7 +214,7 @@ def log(message):
         print(message, flush=True)
 
 
-def train_one_epoch(model, loader, optimizer, scaler, args, device):
+def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch):
     """One pass over `loader`; returns (mean training loss, samples seen)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
@@ -213,11 +227,20 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device):
         with (nullcontext() if last_micro_step else model.no_sync()), autocast(device, args.amp):
             loss = F.cross_entropy(model(images), labels)
         scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if last_micro_step:
+            # a NaN or inf loss (a too high --lr, an fp16 overflow) would make every weight NaN at this step, and
+            # every checkpoint after it garbage: check this epoch's loss sum before the optimizer applies it
+            loss_so_far = totals[0].clone()
+            dist.all_reduce(loss_so_far)  # summed over ranks: every rank sees the same value and stops at the same step
+            if not loss_so_far.isfinite():
+                log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
+                    f"before that step changed any weight. Try a lower --lr (this run: {args.lr})"
+                    + " or leave out --amp" * args.amp)
+                sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
-        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if time.perf_counter() - last_report > 10:  # progress during long epochs
             last_report = time.perf_counter()
             log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
@@ -344,7 +367,7 @@ def main(args):
     for epoch in range(1, args.epochs + 1):
         train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one in every process
         start = time.perf_counter()
-        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device)
+        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device, epoch)
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
@@ -371,11 +394,13 @@ if __name__ == "__main__":
     args = parse_args()
     if args.evaluate:
         evaluate_checkpoint(args)
-    elif "LOCAL_RANK" not in os.environ:
+    elif problem := environment_problem(
+            required=("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+            numbers=("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "OMP_NUM_THREADS")):
         # Stop rather than train as a world of one: on a cluster, a forgotten launcher would otherwise quietly
-        # train on one GPU while the job holds eight.
+        # train on one GPU while the job holds eight. torchrun sets each of these variables for each process.
         sys.exit(f"{sys.argv[0]} must be started by torchrun on every node: torchrun --nnodes=2 --nproc_per_node=2 "
-                 f"--rdzv_backend=c10d --rdzv_endpoint=FIRST_NODE:29500 --rdzv_id=job1 {sys.argv[0]}")
+                 f"--rdzv_backend=c10d --rdzv_endpoint=FIRST_NODE:29500 --rdzv_id=job1 {sys.argv[0]} ({problem})")
     else:
         check_inputs(args, world_size=int(os.environ["WORLD_SIZE"]))
         main(args)

@@ -58,6 +58,8 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default=None, help="write the model here (a plain state_dict)")
     parser.add_argument("--save-every", type=int, default=1, help="epochs between checkpoints")
     parser.add_argument("--save-every-steps", type=int, default=50, help="optimizer steps between snapshots")
+    parser.add_argument("--allow-new-lr", action="store_true", help="resume with this command's --lr, not the "
+                        "snapshot's: the schedule goes on from where it was, scaled (after a divergence)")
     parser.add_argument("--evaluate", default=None, metavar="CHECKPOINT", help="only evaluate this checkpoint")
     parser.add_argument("--amp", action="store_true", help="mixed precision: bf16 on CPU, fp16 + GradScaler on CUDA")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -200,6 +202,20 @@ def build_model(name, num_classes):
     return model
 
 
+def environment_problem(required, numbers):
+    """What is wrong with the environment variables this script reads, or None: one of `required` not set, one of
+    `numbers` set to something other than a whole number, a rank outside its world. Checked before any work, so
+    that a launcher's environment copied in part, or a typo in a job script, is named in one line, not met later
+    as a KeyError or ValueError traceback."""
+    problems = [f"{name} is not set" for name in required if name not in os.environ]
+    problems += [f"{name}={os.environ[name]!r} is not a whole number" for name in numbers
+                 if not os.environ.get(name, "0").isdecimal()]
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if not problems and {rank, size} <= set(required) and int(os.environ[rank]) >= int(os.environ[size]):
+            problems.append(f"{rank}={os.environ[rank]} is not below {size}={os.environ[size]}")
+    return ", ".join(problems) or None
+
+
 def choose_device(name):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,7 +228,7 @@ def log(message):
         print(message, flush=True)
 
 
-def train_one_epoch(model, loader, optimizer, scaler, args, device, after_step):
+def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after_step):
     """One pass over `loader`, calling after_step(batches done) after every optimizer step; returns (mean
     training loss, samples seen)."""
     model.train()
@@ -226,12 +242,23 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, after_step):
         with (nullcontext() if last_micro_step else model.no_sync()), autocast(device, args.amp):
             loss = F.cross_entropy(model(images), labels)
         scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if last_micro_step:
+            # a NaN or inf loss (a too high --lr, an fp16 overflow) would make every weight NaN at this step, and
+            # every checkpoint after it garbage: check this epoch's loss sum before the optimizer applies it
+            loss_so_far = totals[0].clone()
+            dist.all_reduce(loss_so_far)  # summed over ranks: every rank sees the same value and stops at the same step
+            if not loss_so_far.isfinite():
+                log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
+                    f"before that step changed any weight. Try a lower --lr (this run: {args.lr})"
+                    + " or leave out --amp" * args.amp
+                    + f"; {args.checkpoint} holds the last finite weights: resume from it with a lower --lr and "
+                    "--allow-new-lr" * bool(args.checkpoint and os.path.exists(args.checkpoint)))
+                sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
             after_step(step + 1)
-        totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if time.perf_counter() - last_report > 10:  # progress during long epochs
             last_report = time.perf_counter()
             log(f"  step {step + 1}/{len(loader)}  loss {loss.item():.4f}")
@@ -303,10 +330,12 @@ def load_snapshot(args, device, num_classes):
         changed = {name: f"--{name.replace('_', '-')} {value} (snapshot: {snapshot['args'].get(name)})"
                    for name, value in vars(args).items() if value != snapshot["args"].get(name)}
         refused = [said for name, said in changed.items() if name in (
-            "model", "data", "train_samples", "seed", "epochs", "lr", "batch_size", "grad_accum", "amp")]
+            "model", "data", "train_samples", "seed", "epochs", "batch_size", "grad_accum", "amp")
+                   or name == "lr" and not args.allow_new_lr]
         if refused:
             sys.exit(f"error: --checkpoint {candidate}: a resume cannot change {', '.join(refused)}; repeat the "
-                     "snapshot's values, or give another --checkpoint path to start afresh")
+                     "snapshot's values, or give another --checkpoint path to start afresh"
+                     + " (or, after a divergence, add --allow-new-lr)" * ("lr" in changed))
         return snapshot, list(changed.values())  # the rest (workers, paths, intervals, device...) follows this command
     if candidates:
         sys.exit(f"error: no usable snapshot among {', '.join(candidates)}; move them away to start over")
@@ -333,7 +362,7 @@ def init_process_group_per_attempt(backend, timeout):
         sys.exit("error: on more than one node, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node and use "
                  "--rdzv_backend=c10d: a restart could hang otherwise (pytorch/pytorch#135712)")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
@@ -417,12 +446,24 @@ def main(args):
         torch.set_rng_state(snapshot["rng"]["torch"].cpu())
         torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]])
         random.setstate(snapshot["rng"]["python"])
+        if args.lr != snapshot["args"]["lr"]:  # --allow-new-lr: the schedule goes on from its place, scaled
+            for group in optimizer.param_groups:
+                group["lr"], group["initial_lr"] = group["lr"] * args.lr / snapshot["args"]["lr"], args.lr
+            scheduler.base_lrs = [args.lr for _ in scheduler.base_lrs]
         start_epoch, samples_done = snapshot["epoch"] + 1, snapshot["samples_done"]
         log(f"resumed from {args.checkpoint}: epoch {start_epoch}, {samples_done} samples into it; world size "
             f"{snapshot['world_size']} then, {world_size} now" + (f"; from this command: {', '.join(followed)}" if
                                                                    followed else ""))
 
     def make_snapshot(epochs_done, samples_done):  # everything the next step depends on, not only the weights
+        # never a snapshot of non-finite weights. Parameters and momentum are the same on every rank (DDP made the
+        # gradients so), and so is this verdict: every rank stops here together, and the snapshot on disk stays
+        if not all(t.isfinite().all() for t in [*raw_model.parameters(), *(value for state in optimizer.state.values()
+                                                                            for value in state.values())]):
+            log(f"error: the weights are not finite in epoch {epoch}; this snapshot was not saved. Try a lower --lr "
+                f"(this run: {args.lr})" + f"; {args.checkpoint} holds the last finite weights: resume from it with "
+                "a lower --lr and --allow-new-lr" * os.path.exists(args.checkpoint))
+            sys.exit(1)
         return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,
                 "optimizer": optimizer.state_dict(),  # momentum: without it the next steps would differ
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),  # the LR's place; fp16's scale
@@ -460,11 +501,14 @@ def main(args):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + epoch))
         order = order[samples_done:].tolist()
         shard = order[rank:len(order) // world_size * world_size:world_size]
-        # its own generator: creating the loader must not draw from the global RNG, which the snapshot restores
-        train_loader = DataLoader(train_set, sampler=shard, drop_last=True, generator=torch.Generator(),
-                                  **loader_options)
+        # its own generator, seeded from (seed, epoch, rank): loader workers draw differently on every rank and in
+        # every epoch, and a resume seeds this epoch's loader alike. (Creating it must not draw from the global RNG,
+        # which the snapshot restores.) Unique while epochs < 1000 and ranks < 100 000
+        loader_seed = (args.seed * 1000 + epoch) * 100_000 + rank
+        train_loader = DataLoader(train_set, sampler=shard, drop_last=True,
+                                  generator=torch.Generator().manual_seed(loader_seed), **loader_options)
         start = time.perf_counter()
-        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device, after_step)
+        train_loss, samples = train_one_epoch(model, train_loader, optimizer, scaler, args, device, epoch, after_step)
         samples_done = 0
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
@@ -492,12 +536,15 @@ if __name__ == "__main__":
     args = parse_args()
     if args.evaluate:
         evaluate_checkpoint(args)
-    elif "LOCAL_RANK" not in os.environ:
+    elif problem := environment_problem(
+            required=("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+            numbers=("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "OMP_NUM_THREADS",
+                     "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")):
         # Stop rather than train as a world of one: on a cluster, a forgotten launcher would otherwise quietly
-        # train on one GPU while the job holds eight.
+        # train on one GPU while the job holds eight. torchrun sets each of these variables for each process.
         sys.exit(f"{sys.argv[0]} must be started by torchrun on every node: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
                  "torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=FIRST_NODE:29500 "
-                 f"--rdzv_id=job1 {sys.argv[0]}")
+                 f"--rdzv_id=job1 {sys.argv[0]} ({problem})")
     else:
         check_inputs(args, world_size=int(os.environ["WORLD_SIZE"]))
         main(args)

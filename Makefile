@@ -1,5 +1,5 @@
 # The README's commands: `make demo` and `make test` (both set up .venv first when needed), `make test-root`
-# for the tests that need root, `make test-oldest` for the oldest supported torch (README: Versions).
+# for the tests that need root, `make test-oldest` for the oldest supported torch (docs/versions.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -44,7 +44,7 @@ $(OLDEST)/.installed: requirements-oldest.txt
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/pytest $(OLDEST_TESTS)
 
-# Regenerates both locks from their .in files (a maintainer's step: README, "Moving the pin").
+# Regenerates both locks from their .in files (a maintainer's step: docs/versions.md, "Moving the pin").
 lock: setup
 	$(BIN)/pip install --disable-pip-version-check --quiet uv
 	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements.in -o requirements.txt

@@ -200,14 +200,15 @@ def test_ten_restarts_in_a_row_without_a_hang(reference, tmp_path):
 
 # Per flag of 04's argparse: does a resume refuse a new value (True), or take it from the command (False)?
 # Refused: what the snapshot's run computes (its model, data, seed, learning rate and schedule length, batch per
-# process, accumulation, precision). Taken: how and where it runs. The world size is not a flag: elastic.
+# process, accumulation, precision; --lr is taken with --allow-new-lr, tests/test_divergence.py). Taken: how and
+# where it runs. The world size is not a flag: elastic.
 RESUME_REFUSES = {"--epochs": ("3", True), "--seed": ("5", True), "--lr": ("0.1", True), "--batch-size": ("16", True),
                   "--grad-accum": ("2", True), "--model": ("resnet18", True), "--data": ("images", True),
                   "--train-samples": ("4096", True), "--amp": (None, True),
                   "--val-samples": ("32", False), "--data-dir": ("elsewhere", False), "--download": (None, False),
                   "--device": ("cpu", False), "--num-workers": ("2", False), "--save-every": ("2", False),
                   "--save-every-steps": ("10", False), "--compile": (None, False), "--tensorboard": ("tb", False),
-                  "--metrics": ("m.jsonl", False), "--timeout": ("60", False)}
+                  "--metrics": ("m.jsonl", False), "--timeout": ("60", False), "--allow-new-lr": (None, False)}
 
 
 def test_every_flag_has_a_resume_rule():
@@ -231,6 +232,8 @@ def test_a_resume_refuses_or_follows_each_flag(flag, tmp_path):
             name = flag[2:].replace("-", "_")
             expected = (f"a resume cannot change {flag} {getattr(args, name)} (snapshot: {saved[name]}); repeat the "
                         "snapshot's values, or give another --checkpoint path to start afresh")
+            if flag == "--lr":  # the way out after a divergence (tests/test_divergence.py)
+                expected += " (or, after a divergence, add --allow-new-lr)"
             if flag == "--model":  # refused by the older check of the model and class count, before this one
                 expected = "not a snapshot of --model resnet18 with 10 classes; give another path to start over"
             assert stop.value.code == f"error: --checkpoint {snapshot}: {expected}"
@@ -268,3 +271,58 @@ def test_a_resume_on_another_world_size_with_other_workers_goes_on_and_says_so(r
     assert (f"resumed from {snapshot}: epoch 3, 0 samples into it; world size 2 then, 1 now; from this command: "
             f"--num-workers 2 (snapshot: 0), --checkpoint {snapshot} (snapshot: {folder / 'snapshot.pt'})") in output
     assert checksums(output) == {checksum}
+
+
+# --- the loader's workers: seeded per rank and epoch, and alike on a resume -------------------------------------
+
+RECORD_WORKER_SEEDS = """
+import os, runpy, sys
+import torch.utils.data as data
+
+original = data.DataLoader.__init__
+
+
+def init(self, dataset, *args, **options):  # every loader's workers append their rank, set size and base seed
+    def record(worker_id, then=options.get("worker_init_fn")):
+        info = data.get_worker_info()
+        with open(os.environ["SEED_LOG"], "a") as log:
+            log.write(f"{os.environ['RANK']} {len(dataset)} {info.seed - worker_id}\\n")
+        then(worker_id)
+    original(self, dataset, *args, **{**options, "worker_init_fn": record})
+
+
+data.DataLoader.__init__ = init
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def worker_seeds(log):
+    """{rank: [base seed of each training loader, in order]} (the training set has 2048 samples)."""
+    seeds = {}
+    for line in log.read_text().splitlines():
+        rank, size, seed = line.split()
+        if size == "2048":
+            seeds.setdefault(int(rank), []).append(int(seed))
+    return seeds
+
+
+def test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_alike(tmp_path):
+    """With --num-workers > 0, augmentation would run in the loader's workers, seeded from the loader's generator.
+    04 seeds it from (seed, epoch, rank): the 2 ranks x 2 epochs get 4 different base seeds, and a run resumed
+    from the snapshot of epoch 1 gives epoch 2's loaders the same seeds as the uninterrupted run (and ends with
+    the same parameters). Real workers, recorded by a wrapper around DataLoader; the script is run unchanged."""
+    (tmp_path / "record.py").write_text(RECORD_WORKER_SEEDS)
+    run = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", tmp_path / "record.py", SCRIPT,
+           *TRAIN[:-2], "--save-every-steps", "1000", "--num-workers", "1", "--checkpoint", tmp_path / "whole.pt"]
+    code, output = wait(*launch(tmp_path, "whole", run, environment(SEED_LOG=tmp_path / "whole.seeds")))
+    assert code == 0, output[-3000:]
+    whole = worker_seeds(tmp_path / "whole.seeds")
+    assert sorted(whole) == [0, 1] and all(len(seeds) == 2 for seeds in whole.values())
+    assert len({seed for seeds in whole.values() for seed in seeds}) == 4, whole
+    (tmp_path / "resumed.pt").write_bytes((tmp_path / "whole.pt.prev").read_bytes())  # the end of epoch 1
+    run[run.index(tmp_path / "whole.pt")] = tmp_path / "resumed.pt"
+    code, resumed_output = wait(*launch(tmp_path, "resumed", run, environment(SEED_LOG=tmp_path / "resumed.seeds")))
+    assert code == 0 and "resumed from" in resumed_output, resumed_output[-3000:]
+    assert worker_seeds(tmp_path / "resumed.seeds") == {rank: seeds[1:] for rank, seeds in whole.items()}
+    assert checksums(resumed_output) == checksums(output)

@@ -118,8 +118,9 @@ def test_static_graph_cannot_accumulate_with_no_sync_in_this_torch(ranks):
 
 
 def test_the_published_table_is_what_the_raw_figures_give_and_the_readme_shows_it():
-    """benchmarks/shaped_link.md is summarize(benchmarks/shaped_link.json), and the README's section holds it."""
+    """benchmarks/shaped_link.md is summarize(benchmarks/shaped_link.json), and docs/scaling.md holds it."""
     table = shaped_link.summarize(json.loads(shaped_link.RAW.read_text()))
     assert shaped_link.TABLE.read_text() == table, "run: .venv/bin/python benchmarks/shaped_link.py --table-only"
-    assert table.strip() in (REPO / "README.md").read_text(), "paste benchmarks/shaped_link.md into the README"
+    assert table.strip() in (REPO / "docs/scaling.md").read_text(), \
+        "paste benchmarks/shaped_link.md into docs/scaling.md"
     assert shaped_link.PLOT.exists()

@@ -172,7 +172,8 @@ def test_preflight_sbatch_is_ok_on_the_local_cluster(cluster):
 # --- the documentation points to what the preflight really prints ---------------------------------------------
 
 def test_readme_shows_the_preflight_commands_the_tests_run():
-    readme = (REPO / "README.md").read_text()
+    """The preflight's page (docs/preflight.md, where the README's section moved) shows them."""
+    readme = (REPO / "docs/preflight.md").read_text()
     practice = node_command("127.0.0.1:29500", "job1", script="preflight.py")
     assert " ".join(["torchrun", *practice[1:]]) in readme
     assert "python preflight.py" in readme and "sbatch --wait slurm/preflight.sbatch" in readme

@@ -1,5 +1,6 @@
 """The repository keeps its own promises: diffs that are one lesson each and never stale, standalone
-scripts with the same flags, ruff-clean code, and a README whose commands are the ones the tests run."""
+scripts with the same flags, ruff-clean code, and a README (and docs/ pages) whose commands are the ones the tests
+run."""
 import ast
 import json
 import subprocess
@@ -53,18 +54,24 @@ def test_ruff_is_clean():
 
 
 def test_readme_shows_the_commands_the_tests_run():
+    """The README shows the two commands and each step's command (its ladder table); the docs/ page a subject
+    moved to shows that subject's commands."""
     readme = (REPO / "README.md").read_text()
+    multinode = (REPO / "docs/multinode.md").read_text()
+    fault_tolerance = (REPO / "docs/fault-tolerance.md").read_text()
     for command in DOCUMENTED.values():
         shown = " ".join(["python" if part == PYTHON else "torchrun" if part.endswith("torchrun") else str(part)
                           for part in command])
         assert shown in readme, f"README does not show: {shown}"
     practice = node_command("127.0.0.1:29500", "job1")
-    assert " ".join(["torchrun", *practice[1:]]) in readme, "README's one-machine multi-node command"
+    assert " ".join(["torchrun", *practice[1:]]) in multinode, "docs/multinode.md's one-machine multi-node command"
     for node_rank in (0, 1):
         practice = static_node_command(node_rank, "127.0.0.1", 29500)
-        assert " ".join(["torchrun", *practice[1:]]) in readme, "README's one-machine static rendezvous commands"
+        assert " ".join(["torchrun", *practice[1:]]) in multinode, \
+            "docs/multinode.md's one-machine static rendezvous commands"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 " \
-           "04_fault_tolerant.py --checkpoint snapshot.pt" in readme, "the command tests/test_fault_tolerance.py runs"
+           "04_fault_tolerant.py --checkpoint snapshot.pt" in fault_tolerance, \
+           "docs/fault-tolerance.md: the command tests/test_fault_tolerance.py runs"
     for target in ("make demo", "make test"):
         assert target in readme
 
@@ -73,4 +80,4 @@ def test_the_published_benchmark_table_is_what_the_committed_raw_figures_give():
     benchmark = load_script("benchmarks/run.py")
     _, _, table = benchmark.summarize(json.loads((REPO / "benchmarks/results.json").read_text()))
     assert (REPO / "benchmarks/results.md").read_text() == table, "run: .venv/bin/python benchmarks/run.py --table-only"
-    assert table in (REPO / "README.md").read_text(), "README's performance section: paste benchmarks/results.md"
+    assert table in (REPO / "docs/performance.md").read_text(), "docs/performance.md: paste benchmarks/results.md"

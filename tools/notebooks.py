@@ -93,7 +93,7 @@ def check():
                             f"since it was executed): run python tools/notebooks.py {name[:2]}")
         elif (ran_with := committed.metadata.get("ddp_steps", {}).get("torch")) != torch_version():
             problems.append(f"{path.name} was executed with torch {ran_with}, the installed torch is "
-                            f"{torch_version()}: run python tools/notebooks.py (README: Versions)")
+                            f"{torch_version()}: run python tools/notebooks.py (docs/versions.md)")
     for problem in problems:
         print("error:", problem, file=sys.stderr)
     return 1 if problems else 0

@@ -34,7 +34,8 @@ def workers(agent, script):
 
 def py_spy_dump(pid):
     """`py-spy dump --pid PID`: the Python stack of every thread of a running process, read from outside it
-    (through ptrace: it needs the permission to attach to that process)."""
+    (on Linux it pauses the process with ptrace and reads its memory with process_vm_readv: it needs the
+    permission to attach to that process)."""
     done = subprocess.run([PY_SPY, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
     return tidy(re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr))  # without its colours
 
@@ -60,8 +61,10 @@ def exit_codes(summary):
 # --- 2-process experiments (run with runs.Processes or runs.run_group) --------------------------------------------
 def mismatched_collectives_detail(rank, world_size):
     """The classic hang with TORCH_DISTRIBUTED_DEBUG=DETAIL: rank 0 all-reduces 3 evaluation totals while rank 1
-    is already in the next training step's all-reduce of 4 values. The group is formed here, after the variable
-    is set: DETAIL takes effect when a group is created."""
+    is already in the next training step's all-reduce of 4 values. torch reads TORCH_DISTRIBUTED_DEBUG when
+    torch.distributed is imported, long before this runs: setting the variable here changes nothing until
+    dist.set_debug_level_from_env() reads it again. The group is formed after that, because a group checks the
+    level when it is created (DETAIL: it wraps the backend in a ProcessGroupWrapper)."""
     from datetime import timedelta
 
     import torch
@@ -79,6 +82,21 @@ def mismatched_collectives_detail(rank, world_size):
     finally:
         os.environ.pop("TORCH_DISTRIBUTED_DEBUG")
         dist.set_debug_level_from_env()
+
+
+def debug_level_read_at_import():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL set in two fresh Pythons: one sets it in its code after `import
+    torch.distributed`, one gets it in its environment at start. Returns {how: the debug levels it printed}."""
+    after = ("import os, torch.distributed as dist; os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'; "
+             "print(dist.get_debug_level()); dist.set_debug_level_from_env(); print(dist.get_debug_level())")
+    before = "import torch.distributed as dist; print(dist.get_debug_level())"
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_DISTRIBUTED_DEBUG"}
+    started = {"set after the import": subprocess.Popen([sys.executable, "-c", after], env=env, text=True,
+                                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+               "set before the import": subprocess.Popen([sys.executable, "-c", before], text=True,
+                                                         env={**env, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+                                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)}
+    return {how: process.communicate(timeout=60)[0].split() for how, process in started.items()}
 
 
 def models_that_differ(rank, world_size):
@@ -107,9 +125,10 @@ class Augmented:
 
 
 def randomness_across_ranks(rank, world_size):
-    """What each rank draws with the same seed everywhere, as the scripts seed: a dropout mask, and the first
-    batch of a DataLoader with 2 worker processes; then the loader again with a generator seeded with
-    seed + rank. Also how many processes and threads this rank runs while the loader's workers are alive."""
+    """What each rank draws with the same seed everywhere, as steps 01-03 seed: a dropout mask, and the first
+    two batches of a DataLoader with 2 worker processes and no generator; then the loader without a generator
+    after torch.manual_seed(seed + rank), and the loader with a generator seeded with seed + rank. Also how many
+    processes and threads this rank runs while the loader's workers are alive."""
     import psutil
     import torch
     import torch.distributed as dist
@@ -122,15 +141,17 @@ def randomness_across_ranks(rank, world_size):
 
     torch.manual_seed(0)  # the same seed on every rank
     mask = torch.nn.functional.dropout(torch.ones(8), 0.5)
-    batches = {}
-    for name, generator in [("same seed", None), ("generator seeded with seed + rank",
-                                                  torch.Generator().manual_seed(0 + rank))]:
-        torch.manual_seed(0)
+    batches, counts = {}, {}
+    for name, seed, generator in [("same seed, no generator", 0, None),
+                                  ("torch.manual_seed(seed + rank), no generator", 0 + rank, None),
+                                  ("same seed, generator seeded with seed + rank", 0,
+                                   torch.Generator().manual_seed(0 + rank))]:
+        torch.manual_seed(seed)  # without a generator, the loader draws its workers' base seed from this one
         # fork, as in a torchrun worker: this process was spawned, and its children would be spawned too
         loader = iter(DataLoader(Augmented(), batch_size=2, num_workers=2, generator=generator,
                                  multiprocessing_context="fork"))
         batches[name] = torch.stack([next(loader), next(loader)])  # batch 0 from worker 0, batch 1 from worker 1
-        if generator is None:
+        if not counts:
             me = psutil.Process()
             counts = {"processes": 1 + len(me.children()), "threads": me.num_threads(),
                       "torch threads": torch.get_num_threads()}
@@ -157,3 +178,55 @@ def seeded_by_rank(rank, world_size):
     for name, tensor in [("before", before), ("after", layer.weight.detach().clone()), ("mask", mask)]:
         dist.all_gather(gathered[name], tensor)
     return gathered
+
+
+def nan_loss_check(rank, world_size, agree, away=0):
+    """A few training steps of a tiny DDP model; at step 3 rank 1's input holds a NaN, so its loss is NaN.
+    agree=False, the mistake: each rank checks its own loss and leaves the loop alone; the rank that left then
+    works `away` seconds without any collective (as other_work in section 1). agree=True, the fix: every rank
+    checks the loss summed over the ranks by one all_reduce. Returns (the step at which this rank stopped, the
+    lines it printed, each with the seconds since its first step)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    said, began = [], time.monotonic()
+
+    def say(text):
+        said.append(f"{time.monotonic() - began:4.1f} s  {text}")
+
+    for step in range(1, 6):
+        inputs = torch.ones(8, 4)
+        if rank == 1 and step == 3:
+            inputs[0, 0] = float("nan")  # one bad sample: this rank's loss is NaN
+        loss = model(inputs).pow(2).mean()
+        if agree:
+            summed = loss.detach().clone()
+            dist.all_reduce(summed)  # the loss summed over the ranks: NaN on every rank if NaN on one
+            if not torch.isfinite(summed):
+                if rank == 0:
+                    say(f"error: the loss is {summed.item()} at step {step}; the run stopped before that step "
+                        "changed any weight")
+                return step, said
+        elif not torch.isfinite(loss):
+            say(f"step {step}: my loss is {loss.item()}: I leave the loop")
+            time.sleep(away)  # what follows the loop here has no collective
+            say(f"done with {away} s of other work, no collective")
+            return step, said
+        try:
+            loss.backward()  # DDP all-reduces the gradients inside backward()
+        except RuntimeError as error:
+            gist = re.search(r"Timed out.*?complete", str(error))  # gloo's message, without its source path
+            say(f"step {step}: backward() failed: {type(error).__name__}: "
+                f"{gist.group(0) if gist else tidy(str(error))[:100]}")
+            return step, said
+        optimizer.step()
+        optimizer.zero_grad()
+        say(f"step {step}: loss {loss.item():.4f}")
+    return step, said

@@ -1,0 +1,112 @@
+"""A run that goes wrong loses nothing and says why. A non-finite loss stops every step's run at once, on every
+rank together (a rank that stopped alone would leave the others waiting in the next all-reduce), with one line
+and a failing exit status, before the optimizer applies it; 04 never writes a snapshot whose weights or momentum
+are not finite, so the last good snapshot and its .prev survive; and a resume from it with a lower --lr, said on
+purpose with --allow-new-lr, finishes the run."""
+import re
+import signal
+import time
+
+import pytest
+import torch
+from conftest import DOCUMENTED
+from helpers import TORCHRUN, clean_env, finish, run, start, torchrun
+
+pytestmark = pytest.mark.launch
+
+TINY = ["--train-samples", "512", "--val-samples", "64", "--batch-size", "32", "--epochs", "2"]
+DIVERGING = ["--lr", "1e6"]  # the CNN's loss is NaN within a few steps
+STOPPED = re.compile(r"^error: the loss is (nan|inf) at step \d+ of epoch 1; the run stopped before that step changed "
+                     r"any weight\. Try a lower --lr \(this run: 1000000\.0\)$", re.M)
+COMMANDS = {**DOCUMENTED, "03_multinode.py": torchrun(2, "03_multinode.py")}
+
+
+@pytest.mark.parametrize("script", COMMANDS)
+def test_a_diverging_run_stops_at_the_first_non_finite_loss_on_every_rank_with_one_line(script, tmp_path):
+    """00-03 with a learning rate that makes the loss NaN: one line from rank 0, exit status 1 (Slurm and torchrun
+    see a failure), no epoch finished, no checkpoint written, and no rank left waiting for the group's timeout."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    began = time.monotonic()
+    result = run([*COMMANDS[script], *TINY, *DIVERGING, "--checkpoint", checkpoint], timeout=120)
+    assert result.returncode != 0
+    assert len(STOPPED.findall(result.stdout)) == 1, result.stdout[-3000:]
+    assert "epoch 1/2" not in result.stdout and not checkpoint.exists()
+    assert f'{script}", line' not in result.stdout, "one line, not a traceback through the script"
+    assert time.monotonic() - began < 60, "every rank stopped at once; none waited for the 300 s timeout"
+
+
+# --- 04: the last good snapshot survives a divergence, and a resume with a lower --lr finishes ----------------
+
+TRAIN_04 = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
+            "--save-every-steps", "4"]
+
+
+def run_04(snapshot, *extra, timeout=120):
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", "04_fault_tolerant.py", *TRAIN_04,
+               "--checkpoint", snapshot, *extra]
+    return run(command, timeout=timeout, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+
+
+@pytest.fixture
+def good_snapshot(tmp_path):
+    """A healthy run (--lr 0.05) stopped by SIGTERM after two snapshots: s.pt and s.pt.prev, both good."""
+    snapshot = tmp_path / "s.pt"
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "04_fault_tolerant.py", *TRAIN_04,
+               "--checkpoint", snapshot]
+    with open(tmp_path / "healthy.log", "w") as log:
+        agent = start(command, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), output=log)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "s.pt.prev").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agent.send_signal(signal.SIGTERM)  # torchrun forwards it: every rank saves once more and stops
+    finish(agent, 120)
+    output = (tmp_path / "healthy.log").read_text()
+    assert "stopped by a signal" in output, output[-3000:]
+    return snapshot
+
+
+def snapshots(folder):
+    return {path.name: path.read_bytes() for path in folder.glob("s.pt*")}
+
+
+def test_a_divergence_writes_nothing_and_a_resume_with_a_lower_lr_finishes(good_snapshot, tmp_path):
+    snapshot = good_snapshot
+    before = snapshots(tmp_path)
+    # 1. a learning rate that makes the loss NaN at the next step: stopped before the step, nothing saved, and the
+    #    line names the snapshot to resume from. (Finite is not the same as good: see notebook 04.)
+    result = run_04(snapshot, "--lr", "3e38", "--allow-new-lr")
+    assert result.returncode != 0
+    line = re.search(r"^error: the loss is (nan|inf) at step \d+ of epoch \d; the run stopped before that step "
+                     r"changed any weight\. Try a lower --lr \(this run: 3e\+38\); (.*) holds the last finite weights: "
+                     r"resume from it with a lower --lr and --allow-new-lr$", result.stdout, re.M)
+    assert line and line.group(2) == str(snapshot), result.stdout[-3000:]
+    assert "saved snapshot" not in result.stdout and snapshots(tmp_path) == before
+    # 2. without --allow-new-lr, another --lr is refused, and the refusal names the flag
+    result = run_04(snapshot, "--lr", "0.02")
+    assert result.returncode != 0 and "(or, after a divergence, add --allow-new-lr)" in result.stdout
+    # 3. the lower learning rate, on purpose: said in the resume line, and the run finishes
+    result = run_04(snapshot, "--lr", "0.02", "--allow-new-lr")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "from this command: --lr 0.02 (snapshot: 0.05), --allow-new-lr True (snapshot: False)" in result.stdout
+    assert "epoch 2/2" in result.stdout
+    saved = torch.load(snapshot, weights_only=True)
+    assert saved["args"]["lr"] == 0.02 and saved["epoch"] == 2
+    # the schedule went on from where it was, scaled by 0.02 / 0.05
+    assert saved["scheduler"]["base_lrs"] == [0.02] and saved["optimizer"]["param_groups"][0]["initial_lr"] == 0.02
+
+
+def test_a_snapshot_of_non_finite_weights_is_never_written(good_snapshot, tmp_path):
+    """Optimizer state gone NaN (here: one momentum buffer, planted in a copy of a good snapshot) makes the weights
+    NaN at the next step while that step's loss is still finite: the snapshot due right after it is refused."""
+    folder = tmp_path / "planted"
+    folder.mkdir()
+    planted = torch.load(good_snapshot, weights_only=True)
+    next(iter(planted["optimizer"]["state"].values()))["momentum_buffer"].fill_(float("nan"))
+    torch.save(planted, folder / "s.pt")
+    before = snapshots(folder)
+    result = run_04(folder / "s.pt", "--save-every-steps", "1")  # (a resume may change how often it saves)
+    assert result.returncode != 0
+    assert result.stdout.count("error: the weights are not finite in epoch ") == 1, result.stdout[-3000:]
+    assert (f"this snapshot was not saved. Try a lower --lr (this run: 0.05); {folder / 's.pt'} holds the last finite "
+            "weights") in result.stdout
+    assert "saved snapshot" not in result.stdout and snapshots(folder) == before
