@@ -91,7 +91,7 @@ def parse_args(argv=None):
 
 def check_inputs(args, world_size):
     """Refuses, in one line and before any process group forms, an input that could only fail later or train
-    silently on nothing. --help lists the flags; the README's flag table lists what is refused."""
+    silently on nothing. --help lists the flags; docs/flags.md lists what is refused."""
     def refuse(message):
         sys.exit(f"error: {message}")
 

@@ -11,7 +11,7 @@ import subprocess
 # name -> tbf rate (None: not shaped). Why these rates: what decides whether communication or computation sets
 # a step's time is the machine balance, FLOP per second of one node / bytes per second of its link. One rank
 # here (one CPU core) computes ~10-40 GFLOP/s on these models (shaped_link.py measures and prints it); the
-# rates below give it the balance of real GPU clusters (README, "Scaling across machines"):
+# rates below give it the balance of real GPU clusters (docs/scaling.md):
 LINKS = {
     "unlimited": None,  # the bare veth pair, limited by how fast the CPU copies (0.4-14 Gbit/s point to point
     # in the published run): faster, for its compute, than any real cluster

@@ -1,6 +1,6 @@
 """DDP between two hosts over a link of limited bandwidth: what it costs, and what each DDP knob wins back.
 
-    sudo .venv/bin/python benchmarks/shaped_link.py               # the README's table: 26 min on 2 cores
+    sudo .venv/bin/python benchmarks/shaped_link.py               # docs/scaling.md's table: 26 min on 2 cores
     sudo .venv/bin/python benchmarks/shaped_link.py --repeats 5   # tighter spreads, on a quiet machine
     .venv/bin/python benchmarks/shaped_link.py --table-only       # redo table and plot from the raw figures
 

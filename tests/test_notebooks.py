@@ -32,7 +32,7 @@ def test_committed_cells_are_the_lesson_sources_and_were_executed_as_they_are():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_notebook_ran_with_the_pinned_torch(name):
-    """The outputs a learner reads come from the torch `make setup` installs (README: Versions); moving the pin
+    """The outputs a learner reads come from the torch `make setup` installs (docs/versions.md); moving the pin
     without re-executing every notebook fails here; the staleness check above fails when the installed torch differs."""
     assert committed(name).metadata["ddp_steps"].get("torch") == PINNED_TORCH == builder.torch_version()
 
