@@ -9,6 +9,7 @@ to see what distributing it takes.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -220,8 +221,9 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch):
         scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
         totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if last_micro_step:
-            # a NaN or inf loss (a too high --lr, an fp16 overflow) would make every weight NaN at this step, and
-            # every checkpoint after it garbage: check this epoch's loss sum before the optimizer applies it
+            # a NaN or inf loss (a too high --lr, say) would make every weight NaN at this step, and every checkpoint
+            # after it garbage: check this epoch's loss sum before the optimizer applies it. (fp16's GradScaler skips
+            # steps whose gradients overflow, but a non-finite loss means the forward pass did: no scale cures that)
             loss_so_far = totals[0].clone()
             if not loss_so_far.isfinite():
                 log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
@@ -315,6 +317,10 @@ def main(args):
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
+        if not math.isfinite(val_loss):  # the epoch's last step made the weights non-finite: save none of them
+            log(f"error: the validation loss is {val_loss} after epoch {epoch}; these weights were not saved. Try a "
+                f"lower --lr (this run: {args.lr})")
+            sys.exit(1)
         log(f"epoch {epoch}/{args.epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
             f"val acc {val_accuracy:.2%}  {samples_per_s:.0f} samples/s  {time.perf_counter() - start:.1f} s")
         metrics = {"epoch": epoch, "train_samples": samples, "train_loss": train_loss, "val_loss": val_loss,

@@ -17,6 +17,7 @@ on every node of every multi-node run: without it a run on more than one node is
 """
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -244,8 +245,9 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after
         scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
         totals += torch.stack([loss.detach().double() * len(labels), torch.tensor(len(labels), device=device)])
         if last_micro_step:
-            # a NaN or inf loss (a too high --lr, an fp16 overflow) would make every weight NaN at this step, and
-            # every checkpoint after it garbage: check this epoch's loss sum before the optimizer applies it
+            # a NaN or inf loss (a too high --lr, say) would make every weight NaN at this step, and every checkpoint
+            # after it garbage: check this epoch's loss sum before the optimizer applies it. (fp16's GradScaler skips
+            # steps whose gradients overflow, but a non-finite loss means the forward pass did: no scale cures that)
             loss_so_far = totals[0].clone()
             dist.all_reduce(loss_so_far)  # summed over ranks: every rank sees the same value and stops at the same step
             if not loss_so_far.isfinite():
@@ -254,6 +256,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after
                     + " or leave out --amp" * args.amp
                     + f"; {args.checkpoint} holds the last finite weights: resume from it with a lower --lr and "
                     "--allow-new-lr" * bool(args.checkpoint and os.path.exists(args.checkpoint)))
+                dist.barrier()  # rank 0 has said why before any rank exits (the launcher then stops the others)
                 sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
             scaler.update()
@@ -456,19 +459,23 @@ def main(args):
                                                                    followed else ""))
 
     def make_snapshot(epochs_done, samples_done):  # everything the next step depends on, not only the weights
-        # never a snapshot of non-finite weights. Parameters and momentum are the same on every rank (DDP made the
-        # gradients so), and so is this verdict: every rank stops here together, and the snapshot on disk stays
-        if not all(t.isfinite().all() for t in [*raw_model.parameters(), *(value for state in optimizer.state.values()
-                                                                            for value in state.values())]):
+        # never a snapshot of non-finite weights. BatchNorm's running stats differ between ranks, so the ranks agree
+        # on the verdict (one all_reduce per snapshot): every rank stops here together, and the snapshot on disk stays
+        state = [*raw_model.state_dict().values(), *(value for kept in optimizer.state.values() for value in
+                                                        kept.values() if torch.is_tensor(value))]
+        finite = torch.tensor(float(all(t.isfinite().all() for t in state if t.is_floating_point())), device=device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # 0 if any rank holds a non-finite number
+        if not finite:
             log(f"error: the weights are not finite in epoch {epoch}; this snapshot was not saved. Try a lower --lr "
                 f"(this run: {args.lr})" + f"; {args.checkpoint} holds the last finite weights: resume from it with "
                 "a lower --lr and --allow-new-lr" * os.path.exists(args.checkpoint))
+            dist.barrier()  # rank 0 has said why before any rank exits
             sys.exit(1)
         return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,
                 "optimizer": optimizer.state_dict(),  # momentum: without it the next steps would differ
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),  # the LR's place; fp16's scale
                 "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
-                        "python": random.getstate()},  # what dropout and random augmentation draw from
+                        "python": random.getstate()},  # dropout's draws, and augmentation's without workers
                 "epoch": epochs_done, "samples_done": samples_done,  # where in the data, to resume mid-epoch
                 "args": vars(args), "world_size": world_size}
 
@@ -504,7 +511,7 @@ def main(args):
         # its own generator, seeded from (seed, epoch, rank): loader workers draw differently on every rank and in
         # every epoch, and a resume seeds this epoch's loader alike. (Creating it must not draw from the global RNG,
         # which the snapshot restores.) Unique while epochs < 1000 and ranks < 100 000
-        loader_seed = (args.seed * 1000 + epoch) * 100_000 + rank
+        loader_seed = ((args.seed * 1000 + epoch) * 100_000 + rank) % 2**63  # (any --seed)
         train_loader = DataLoader(train_set, sampler=shard, drop_last=True,
                                   generator=torch.Generator().manual_seed(loader_seed), **loader_options)
         start = time.perf_counter()
@@ -513,6 +520,11 @@ def main(args):
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
+        if not math.isfinite(val_loss):  # the epoch's last step made the weights non-finite: save none of them
+            log(f"error: the validation loss is {val_loss} after epoch {epoch}; these weights were not saved. Try a "
+                f"lower --lr (this run: {args.lr})")
+            dist.barrier()  # rank 0 has said why before any rank exits
+            sys.exit(1)
         log(f"epoch {epoch}/{args.epochs}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  "
             f"val acc {val_accuracy:.2%}  {samples_per_s:.0f} samples/s  {time.perf_counter() - start:.1f} s")
         metrics = {"epoch": epoch, "train_samples": samples, "train_loss": train_loss, "val_loss": val_loss,

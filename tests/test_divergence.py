@@ -35,6 +35,18 @@ def test_a_diverging_run_stops_at_the_first_non_finite_loss_on_every_rank_with_o
     assert time.monotonic() - began < 60, "every rank stopped at once; none waited for the 300 s timeout"
 
 
+def test_weights_made_non_finite_by_an_epochs_last_step_are_not_saved(tmp_path):
+    """One step per epoch: the step's loss is finite, the update it makes is not. The validation loss (the same on
+    every rank: all-reduced) is then non-finite, and the run stops without writing a checkpoint of those weights."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    result = run(torchrun(2, "02_torchrun.py", "--train-samples", "64", "--val-samples", "64", "--batch-size", "32",
+                          "--epochs", "2", "--lr", "3e38", "--checkpoint", checkpoint), timeout=120)
+    assert result.returncode != 0
+    assert re.search(r"^error: the validation loss is (nan|inf) after epoch 1; these weights were not saved\. Try a "
+                     r"lower --lr \(this run: 3e\+38\)$", result.stdout, re.M), result.stdout[-3000:]
+    assert result.stdout.count("error: the validation loss") == 1 and not checkpoint.exists()
+
+
 # --- 04: the last good snapshot survives a divergence, and a resume with a lower --lr finishes ----------------
 
 TRAIN_04 = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
@@ -91,8 +103,12 @@ def test_a_divergence_writes_nothing_and_a_resume_with_a_lower_lr_finishes(good_
     assert "epoch 2/2" in result.stdout
     saved = torch.load(snapshot, weights_only=True)
     assert saved["args"]["lr"] == 0.02 and saved["epoch"] == 2
-    # the schedule went on from where it was, scaled by 0.02 / 0.05
     assert saved["scheduler"]["base_lrs"] == [0.02] and saved["optimizer"]["param_groups"][0]["initial_lr"] == 0.02
+    # the schedule went on from where it was, scaled by 0.02 / 0.05: epoch 2's learning rate is 0.01, not 0.025
+    # (s.pt.prev: the last snapshot of epoch 2, before the schedule's step at its end)
+    last_in_epoch_2 = torch.load(snapshot.with_name("s.pt.prev"), weights_only=True)
+    assert last_in_epoch_2["epoch"] == 1 and last_in_epoch_2["samples_done"] == 2048
+    assert last_in_epoch_2["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.01, rel=1e-12)
 
 
 def test_a_snapshot_of_non_finite_weights_is_never_written(good_snapshot, tmp_path):

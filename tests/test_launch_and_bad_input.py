@@ -107,9 +107,10 @@ def test_a_missing_or_malformed_launcher_variable_is_named_in_one_line(script, m
     for name in checked["numbers"]:
         said = refusal(script, monkeypatch, {**environment, name: "2,1"})
         assert f"{name}='2,1' is not a whole number" in said and "\n" not in said
-    if {"RANK", "WORLD_SIZE"} <= set(checked["required"]):
-        said = refusal(script, monkeypatch, {**environment, "RANK": "2"})
-        assert said.endswith("(RANK=2 is not below WORLD_SIZE=2)")
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if {rank, size} <= set(checked["required"]):
+            said = refusal(script, monkeypatch, {**environment, rank: "2"})
+            assert said.endswith(f"({rank}=2 is not below {size}=2)")
 
 
 PARTIAL = {  # as a user would meet them: a launcher's environment copied in part, a typo in a job script
