@@ -59,22 +59,30 @@ def run_04(snapshot, *extra, timeout=120):
     return run(command, timeout=timeout, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
 
 
-@pytest.fixture
-def good_snapshot(tmp_path):
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory):
     """A healthy run (--lr 0.05) stopped by SIGTERM after two snapshots: s.pt and s.pt.prev, both good."""
-    snapshot = tmp_path / "s.pt"
+    folder = tmp_path_factory.mktemp("healthy")
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "04_fault_tolerant.py", *TRAIN_04,
-               "--checkpoint", snapshot]
-    with open(tmp_path / "healthy.log", "w") as log:
+               "--checkpoint", folder / "s.pt"]
+    with open(folder / "healthy.log", "w") as log:
         agent = start(command, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), output=log)
     deadline = time.monotonic() + 120
-    while not (tmp_path / "s.pt.prev").exists() and time.monotonic() < deadline:
+    while not (folder / "s.pt.prev").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     agent.send_signal(signal.SIGTERM)  # torchrun forwards it: every rank saves once more and stops
     finish(agent, 120)
-    output = (tmp_path / "healthy.log").read_text()
+    output = (folder / "healthy.log").read_text()
     assert "stopped by a signal" in output, output[-3000:]
-    return snapshot
+    return folder
+
+
+@pytest.fixture
+def good_snapshot(healthy_run, tmp_path):
+    """A copy of the healthy run's s.pt and s.pt.prev, for one test to diverge from."""
+    for name in ("s.pt", "s.pt.prev"):
+        (tmp_path / name).write_bytes((healthy_run / name).read_bytes())
+    return tmp_path / "s.pt"
 
 
 def snapshots(folder):
@@ -99,7 +107,9 @@ def test_a_divergence_writes_nothing_and_a_resume_with_a_lower_lr_finishes(good_
     # 3. the lower learning rate, on purpose: said in the resume line, and the run finishes
     result = run_04(snapshot, "--lr", "0.02", "--allow-new-lr")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "from this command: --lr 0.02 (snapshot: 0.05), --allow-new-lr True (snapshot: False)" in result.stdout
+    resumed = next(line for line in result.stdout.splitlines() if line.startswith("resumed from"))
+    assert "from this command: --lr 0.02 (snapshot: 0.05), " in resumed
+    assert "--allow-new-lr True (snapshot: False)" in resumed
     assert "epoch 2/2" in result.stdout
     saved = torch.load(snapshot, weights_only=True)
     assert saved["args"]["lr"] == 0.02 and saved["epoch"] == 2
