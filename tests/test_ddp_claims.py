@@ -66,7 +66,7 @@ def train_real_model(rank, world_size):
     for epoch in range(2):
         sampler.set_epoch(epoch)
         script.train_one_epoch(model, DataLoader(data, batch_size=32, sampler=sampler), optimizer,
-                               torch.amp.GradScaler("cpu", enabled=False), options(), CPU)
+                               torch.amp.GradScaler("cpu", enabled=False), options(), CPU, epoch)
     return gather(flat_parameters(model))
 
 
@@ -90,11 +90,11 @@ def ddp_step_vs_single_step(rank, world_size, batches, grad_accum):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     my_batches = batches[rank * grad_accum:(rank + 1) * grad_accum]
     load_script(DISTRIBUTED).train_one_epoch(model, my_batches, optimizer, torch.amp.GradScaler("cpu", enabled=False),
-                                             options(grad_accum=grad_accum), CPU)
+                                             options(grad_accum=grad_accum), CPU, 1)
     reference = bn_free_model()
     big_batch = [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))]
     load_script(SINGLE).train_one_epoch(reference, big_batch, torch.optim.SGD(reference.parameters(), lr=0.1),
-                                        torch.amp.GradScaler("cpu", enabled=False), options(), CPU)
+                                        torch.amp.GradScaler("cpu", enabled=False), options(), CPU, 1)
     return flat_parameters(model), flat_parameters(reference), len(all_reduces)
 
 

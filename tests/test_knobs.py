@@ -53,7 +53,7 @@ def accumulate_both_ways(rank):
         else:
             load_script("02_torchrun.py").train_one_epoch(
                 ddp, micro, optimizer, torch.amp.GradScaler("cpu", enabled=False),
-                argparse.Namespace(grad_accum=accumulate, amp=False), torch.device("cpu"))
+                argparse.Namespace(grad_accum=accumulate, amp=False, lr=0.05), torch.device("cpu"), 1)
         results.append(flat(ddp.module))
     return results
 

@@ -51,7 +51,7 @@ def test_sbatch_directives_are_well_formed_and_read_by_sbatch(name):
 
 @pytest.mark.parametrize("name", SBATCH_FILES)
 def test_sbatch_file_runs_a_script_that_exists(name):
-    scripts = set(re.findall(r"\b(\d\d_\w+\.py|preflight\.py)\b", (SLURM / name).read_text()))
+    scripts = set(re.findall(r"\b(\d\d_\w+\.py|preflight\.py|port/\w+\.py)\b", (SLURM / name).read_text()))
     assert scripts and all((REPO / script).exists() for script in scripts)
 
 
@@ -109,3 +109,21 @@ def test_04_preemption_snapshots_requeues_and_resumes_to_the_uninterrupted_resul
     assert "resumed from" in output
     checksums = set(re.findall(r"parameter checksum ([-+.\deE]+)", output))
     assert checksums == set(re.findall(r"parameter checksum ([-+.\deE]+)", uninterrupted)) and len(checksums) == 1
+
+
+def test_gpt_ddp_sbatch_trains_on_the_local_cluster(cluster, tmp_path):
+    """The ported GPT (port/gpt_ddp.py) submitted unmodified: 2 processes on n1 train to the end, every rank with
+    the same parameters, and the job's snapshot is written. (Its exact resume is proven under torchrun in
+    tests/test_port.py; a stop and resume through Slurm, for 04, above. One job only: the port's runs end, about
+    once in ten stops, in a gloo teardown abort whose cause is not found; see notebook 08.)"""
+    from test_port import TINY as GPT_TINY
+    from test_port import make_text
+
+    text = make_text(tmp_path / "text.txt")
+    export = [f"--export=ALL,SNAPSHOT={tmp_path / 'whole.pt'}"]
+    result, job, log = submit("gpt_ddp.sbatch", *GPT_TINY, "--data", text, "--batch-size", "4", options=export)
+    output = read_log(log)
+    assert result.returncode == 0, output[-3000:]
+    assert f"job {job} on n1: 2 processes" in output
+    checksums = set(re.findall(r"rank \d done: parameter checksum ([-+.\deE]+)", output))
+    assert len(checksums) == 1 and (tmp_path / "whole.pt").is_file()

@@ -1,0 +1,339 @@
+"""A small GPT trained on one device: the script people bring to the port, as they write it.
+
+A byte-level decoder-only transformer learns the text in port/data/ (or --data FILE): AdamW, linear warm-up then
+cosine decay, gradient clipping, bf16 autocast (--amp), a validation loss every --eval-every steps, snapshots
+that resume exactly (--checkpoint), and a few lines sampled at the end. Read it top to bottom, then
+`diff port/gpt_single.py port/gpt_ddp.py`: that diff is the whole port, each line naming the step that taught it.
+
+  python port/gpt_single.py                             # ~1.5 min on 2 CPU cores; final validation loss ~1.7
+  python port/gpt_single.py --checkpoint gpt.pt         # stop it, run it again: it resumes where it stopped
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ddp_steps_prose.txt")
+# what a snapshot must agree on with the command that resumes it: any of these changes what the run computes
+SAME_ON_RESUME = ("data", "seed", "steps", "batch_size", "block_size", "grad_accum", "lr", "warmup_steps",
+                  "weight_decay", "grad_clip", "n_layer", "n_head", "n_embd", "dropout", "amp")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=argparse.SUPPRESS,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps in all")
+    parser.add_argument("--batch-size", type=int, default=32, help="windows per process per micro-batch")
+    parser.add_argument("--block-size", type=int, default=64, help="bytes of context the model sees")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--warmup-steps", type=int, default=50, help="optimizer steps of linear warm-up; then the "
+                        "learning rate decays (cosine) to a tenth of --lr at --steps")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="largest gradient norm; 0: no clipping")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads per block")
+    parser.add_argument("--n-embd", type=int, default=128, help="width of the model")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability while training")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and dropout")
+    parser.add_argument("--data", default=DATA, help="a text file (any bytes); its last 10%% is held out")
+    parser.add_argument("--eval-every", type=int, default=200, help="optimizer steps between validations")
+    parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows each validation reads")
+    parser.add_argument("--log-every", type=int, default=50, help="optimizer steps between progress lines")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast (CPU, and GPUs that have bf16)")
+    parser.add_argument("--checkpoint", default=None, help="snapshot here; a run finding one resumes from it")
+    parser.add_argument("--save-every-steps", type=int, default=200, help="optimizer steps between snapshots")
+    parser.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON line per step here")
+    parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to sample at the end")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "block_size", "grad_accum", "n_layer", "n_head", "n_embd", "eval_every",
+                 "eval_windows", "log_every", "save_every_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.warmup_steps, args.sample_bytes) < 0 or not 0 <= args.grad_clip < float("inf"):
+        parser.error("--warmup-steps, --sample-bytes and --grad-clip must be 0 or more")
+    if not 0 < args.lr < float("inf"):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    if not (0 <= args.weight_decay < float("inf") and 0 <= args.dropout < 1):
+        parser.error(f"--weight-decay must be 0 or more, --dropout in [0, 1); got {args.weight_decay}, "
+                     f"{args.dropout}")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but PyTorch sees no GPU")
+    # native bf16 only: the default, including_emulation=True, also accepts GPUs older than Ampere, which emulate
+    # it slowly (torch.cuda.is_bf16_supported)
+    if args.amp and choose_device(args.device).type == "cuda" and \
+            not torch.cuda.is_bf16_supported(including_emulation=False):
+        parser.error("--amp: this GPU has no native bf16 (fp16 would need a GradScaler, which this script "
+                     "leaves out)")
+    return args
+
+
+def load_text(args, processes):
+    """The text as bytes (the model's tokens: 256 of them, no tokenizer to ship), split 90/10 into training
+    and validation, and its SHA-256. Refuses, in one line, a text too short to train or validate on."""
+    with open(args.data, "rb") as f:
+        text = f.read()
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    train, val = tokens[:len(tokens) * 9 // 10], tokens[len(tokens) * 9 // 10:]
+    global_batch = args.batch_size * args.grad_accum * processes
+    if len(train) - args.block_size < global_batch or len(val) <= args.block_size:
+        sys.exit(f"error: --data {args.data}: {len(text)} bytes are too few for --block-size {args.block_size} and "
+                 f"a global batch of {global_batch} windows; give a longer text or smaller sizes")
+    folder = os.path.dirname(os.path.abspath(args.checkpoint or args.metrics or "."))
+    if not os.access(folder, os.W_OK):
+        sys.exit(f"error: {folder} is not a writable folder (--checkpoint, --metrics)")
+    return train, val, hashlib.sha256(text).hexdigest()
+
+
+@lru_cache(maxsize=2)
+def epoch_order(num_windows, seed, epoch):
+    return torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def window_starts(position, count, num_windows, seed):
+    """Windows position .. position+count-1 of the endless training stream: every start offset once per epoch,
+    in an order drawn from (seed, epoch) alone, so that any stretch of it can be computed again on a resume."""
+    starts = []
+    while len(starts) < count:
+        epoch, index = divmod(position + len(starts), num_windows)
+        starts += epoch_order(num_windows, seed, epoch)[index:index + count - len(starts)].tolist()
+    return starts
+
+
+def get_batch(tokens, starts, block_size, device):
+    """Inputs and targets: each window's bytes, and the same bytes one further on (the next byte to predict)."""
+    windows = torch.stack([tokens[start:start + block_size + 1] for start in starts]).long().to(device)
+    return windows[:, :-1], windows[:, 1:]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the residual stream."""
+
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(batch, length, 3, self.n_head, width // self.n_head).permute(
+            2, 0, 3, 1, 4)  # three of (batch, head, position, head width)
+        # is_causal: position t attends to 0..t only; PyTorch picks a fused (flash / memory-efficient) kernel
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)), self.dropout, self.training)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, block_size, n_layer, n_head, n_embd, dropout):
+        super().__init__()
+        self.token, self.position = nn.Embedding(256, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(*(Block(n_embd, n_head, dropout) for _ in range(n_layer)))
+        self.ln, self.head, self.dropout = nn.LayerNorm(n_embd), nn.Linear(n_embd, 256, bias=False), dropout
+        self.head.weight = self.token.weight  # tied: one matrix reads bytes in and writes them out
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)  # GPT-2's; PyTorch's defaults are too large here
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens):
+        x = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(self.ln(self.blocks(F.dropout(x, self.dropout, self.training))))
+
+
+def lr_factor(step, args):
+    """Linear warm-up over --warmup-steps optimizer steps, then cosine decay to a tenth of --lr at --steps."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def choose_device(name):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def autocast(device, enabled):
+    # bf16 keeps fp32's range: no loss scaling, no GradScaler; the weights and the optimizer stay in fp32
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+
+
+def log(message):
+    print(message, flush=True)
+
+
+def fail(message):
+    sys.exit(f"error: {message}")
+
+
+@torch.no_grad()
+def evaluate(model, tokens, args, device):
+    """(Mean loss per byte, median of the windows' mean losses) over the first --eval-windows non-overlapping
+    windows of the held-out text."""
+    model.eval()
+    starts = list(range(0, len(tokens) - args.block_size, args.block_size))[:args.eval_windows]
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, bytes
+    window_losses = [torch.zeros(0, device=device)]
+    for first in range(0, len(starts), args.batch_size):
+        inputs, targets = get_batch(tokens, starts[first:first + args.batch_size], args.block_size, device)
+        with autocast(device, args.amp):
+            logits = model(inputs)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        totals += torch.stack([losses.sum().double(), torch.tensor(losses.numel(), device=device).double()])
+        window_losses.append(losses.view(targets.shape).mean(1))
+    window_losses = torch.cat(window_losses)
+    model.train()
+    return (totals[0] / totals[1]).item(), window_losses.median().item()
+
+
+@torch.no_grad()
+def sample(model, args, device, prompt=b"\n"):
+    """--sample-bytes bytes drawn from the model, one at a time (temperature 0.8), decoded as UTF-8."""
+    model.eval()
+    tokens, generator = torch.tensor([list(prompt)], device=device), torch.Generator(device).manual_seed(args.seed)
+    for _ in range(args.sample_bytes):
+        logits = model(tokens[:, -args.block_size:])[:, -1].float() / 0.8
+        tokens = torch.cat([tokens, torch.multinomial(logits.softmax(-1), 1, generator=generator)], dim=1)
+    return bytes(tokens[0, len(prompt):].tolist()).decode("utf-8", errors="replace")
+
+
+def save_checkpoint(path, snapshot):
+    """A crash at any moment leaves the old snapshot or the new one, never half of one."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(snapshot, f)
+        f.flush()
+        os.fsync(f.fileno())  # on the disk, not only in the page cache, before it replaces the old one
+    os.replace(path + ".tmp", path)  # atomic
+    log(f"saved snapshot {path} (step {snapshot['step']})")
+
+
+def load_checkpoint(args, device, digest):
+    """The snapshot at --checkpoint, or None if there is none yet."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:  # weights_only: a snapshot is a pickle, and unpickling an untrusted one could run arbitrary code
+        snapshot = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        saved = snapshot["args"]
+    except Exception as error:  # truncated, corrupted, or not a torch file at all
+        fail(f"--checkpoint {args.checkpoint}: unreadable ({type(error).__name__}); move it away to start over")
+    changed = [f"--{name.replace('_', '-')} {getattr(args, name)} (snapshot: {saved.get(name)})"
+               for name in SAME_ON_RESUME if saved.get(name) != getattr(args, name) and name != "data"]
+    if snapshot["data_sha256"] != digest:
+        changed.append(f"--data {args.data} holds other bytes than the snapshot's text")
+    if changed:
+        fail(f"--checkpoint {args.checkpoint}: a resume cannot change {', '.join(changed)}; repeat the snapshot's "
+             "values, or give another --checkpoint path to start afresh")
+    return snapshot
+
+
+def main(args):
+    device = choose_device(args.device)
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+ GPUs; no effect on CPU
+    train_tokens, val_tokens, digest = load_text(args, processes=1)
+    num_windows = len(train_tokens) - args.block_size
+    torch.manual_seed(args.seed)  # the initial weights
+    model = GPT(args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout).to(device)
+    snapshot = load_checkpoint(args, device, digest) if args.checkpoint else None
+    if snapshot:
+        model.load_state_dict(snapshot["model"])
+    raw_model = model  # the plain model, which is what snapshots hold
+    # weight decay on the weight matrices only, not on biases, LayerNorm gains and the position table's rows
+    matrices = [p for name, p in raw_model.named_parameters() if p.dim() == 2 and "position" not in name]
+    others = [p for name, p in raw_model.named_parameters() if not (p.dim() == 2 and "position" not in name)]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
+                                   {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
+    start_step, position = 0, 0  # position: training windows used so far
+    if snapshot:
+        optimizer.load_state_dict(snapshot["optimizer"])  # AdamW's moments: without them the next steps differ
+        scheduler.load_state_dict(snapshot["scheduler"])  # where in warm-up and decay the run is
+        start_step, position = snapshot["step"], snapshot["position"]  # where in the data
+        log(f"resumed from {args.checkpoint}: step {start_step} of {args.steps}")
+    # no RNG state to save: dropout draws from a seed made of --seed and the position in the data
+
+    def make_snapshot(step):  # everything the next step depends on, not only the weights
+        return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "step": step, "position": position,
+                "data_sha256": digest, "args": vars(args)}
+
+    global_batch = args.batch_size * args.grad_accum
+    log(f"GPT of {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters on {device}: "
+        f"{len(train_tokens)} training / {len(val_tokens)} validation bytes, {global_batch} windows of "
+        f"{args.block_size} bytes per optimizer step, warm-up {args.warmup_steps} steps")
+    timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
+    for step in range(start_step, args.steps):
+        step_loss = torch.zeros((), device=device)
+        for _ in range(args.grad_accum):
+            starts = window_starts(position, args.batch_size, num_windows, args.seed)
+            inputs, targets = get_batch(train_tokens, starts, args.block_size, device)
+            torch.manual_seed(args.seed * 1_000_003 + position)  # dropout's masks: a function of the data position
+            position += args.batch_size
+            with autocast(device, args.amp):
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            (loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+            step_loss += loss.detach() / args.grad_accum
+        # stop at the first non-finite loss, before it reaches the weights or a snapshot
+        loss_value = step_loss.item()
+        if not math.isfinite(loss_value):
+            fail(f"the loss is {loss_value} at step {step + 1}; the weights of step {step} are the last finite "
+                 "ones; try a lower --lr")
+        # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
+        if not math.isfinite(grad_norm):
+            fail(f"the gradient norm is {grad_norm} at step {step + 1}; try a lower --lr")
+        norms.append(grad_norm)
+        optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used; scheduler.step() sets the next
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
+        done, seconds = step + 1, time.perf_counter() - timer
+        metrics = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": global_batch * args.block_size / seconds}
+        timer = time.perf_counter()
+        if done % args.eval_every == 0 or done == args.steps:
+            metrics["val_loss"], metrics["val_median_window_loss"] = evaluate(model, val_tokens, args, device)
+            log(f"step {done}/{args.steps}  val loss {metrics['val_loss']:.4f}  perplexity "
+                f"{math.exp(metrics['val_loss']):.2f}  median window loss {metrics['val_median_window_loss']:.4f}")
+        if done % args.log_every == 0 or done == args.steps:
+            log(f"step {done}/{args.steps}  loss {loss_value:.4f}  lr {metrics['lr']:.2e}  grad norm "
+                f"{grad_norm:.3f}  {metrics['tokens_per_s']:.0f} tokens/s")
+        if args.metrics:
+            with open(args.metrics, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        if args.checkpoint and (done % args.save_every_steps == 0 or done == args.steps):
+            if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+                fail(f"the weights are not finite after step {done}: not saved; try a lower --lr")
+            save_checkpoint(args.checkpoint, make_snapshot(done))
+    log("sample:\n" + sample(raw_model, args, device))
+    checksum = sum(p.double().sum().item() for p in raw_model.parameters())
+    norms_digest = f"{len(norms)}, sum {sum(norms)!r}, sha256 {hashlib.sha256(repr(norms).encode()).hexdigest()[:16]}"
+    log(f"done: parameter checksum {checksum!r}; gradient norms: {norms_digest}")
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by `torchrun --nproc_per_node=N`, N > 1
+        sys.exit(f"{sys.argv[0]} does not use torchrun's processes: with {os.environ['WORLD_SIZE']} of them it would "
+                 "run that many separate jobs. Use torchrun --nproc_per_node=1, or port/gpt_ddp.py.")
+    main(args)

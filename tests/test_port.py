@@ -1,0 +1,272 @@
+"""port/: the small GPT of gpt_single.py, ported to torchrun in gpt_ddp.py, keeps the port's promises. Two
+processes with two micro-batches of a quarter of the batch each (no_sync on the first) compute what one process
+computes with the whole batch (to float rounding);
+every rank computes the same gradient norm, and clips alike; validation metrics are exact over uneven shards;
+a stopped run resumes to exactly the parameters of an uninterrupted one; a NaN loss on one rank stops every rank
+together, with one line and exit status 1; ranks that read different texts refuse to train.
+
+Tiny settings: a text the tests make, a one-block model, a few steps. The 2-process runs are made once per session
+(`runs`) and serve several claims."""
+import contextlib
+import inspect
+import io
+import json
+import random
+import re
+
+import pytest
+import torch
+from helpers import PYTHON, REPO, clean_env, load_script, read_metrics, run, run_group, run_ok, torchrun
+
+SINGLE, PORTED = "port/gpt_single.py", "port/gpt_ddp.py"
+TINY = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--lr", "1e-2",
+        "--warmup-steps", "2", "--eval-windows", "9", "--eval-every", "3", "--log-every", "1", "--sample-bytes",
+        "20", "--save-every-steps", "2"]  # 9 validation windows: shards of 5 and 4 on 2 ranks
+BATCH = 8  # the global batch: 8 windows in one process; in each of two, 2 micro-batches of 2 (--grad-accum 2)
+PORTED_BATCH = ["--batch-size", BATCH // 4, "--grad-accum", 2]
+# fp32 on CPU: the two runs differ only in the order of additions (see test_two_processes_...), ~1e-7 relative
+RTOL = 1e-4
+
+
+WORDS = ("the model learns every byte of this text while two processes share each batch and agree on every "
+         "gradient before the step is taken so nothing drifts apart")
+
+
+def make_text(path, size=12_000, block_size=16):
+    """A small text of English words, made by the tests: not the built-in one, so they never depend on it. Its
+    held-out part (the last 10%) starts with 9 validation windows that alternate between those words (windows 0, 2,
+    .., 8: rank 0's shard on 2 ranks) and random capitals and digits the model never trained on (1, 3, .., 7: rank
+    1's): a rank-local median, or a mean of the ranks' means, is then far from the whole set's."""
+    words = WORDS.split()
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))).capitalize() + "." for _ in range(400)]
+    prose, split = "\n".join(lines), size * 9 // 10
+    odd = "".join(rng.choice("QXZJKVW0123456789") for _ in range(block_size * 9))
+    held_out = "".join(prose[split + block_size * k:][:block_size] if k % 2 == 0 else odd[block_size * k:][:block_size]
+                       for k in range(9))
+    path.write_text((prose[:split] + held_out + prose[split + len(held_out):])[:size])
+    return path
+
+
+@pytest.fixture(scope="session")
+def text(tmp_path_factory):
+    return make_text(tmp_path_factory.mktemp("port") / "text.txt")
+
+
+@pytest.fixture(scope="session")
+def runs(text, tmp_path_factory):
+    """runs(name) makes one of the session's runs once: (output, metrics or None, checkpoint path)."""
+    made, folder = {}, tmp_path_factory.mktemp("port-runs")
+
+    def commands(name):
+        checkpoint, metrics = folder / f"{name}.pt", folder / f"{name}.jsonl"
+        common = [*TINY, "--data", text, "--checkpoint", checkpoint, "--metrics", metrics]
+        if name == "single":
+            return [[PYTHON, SINGLE, *common, "--batch-size", BATCH]], metrics, checkpoint
+        if name == "ported":
+            return [torchrun(2, PORTED, *common, *PORTED_BATCH)], metrics, checkpoint
+        interrupted = torchrun(2, PORTED, *common, *PORTED_BATCH)  # "resumed": stopped, then again
+        return [[*interrupted, "--stop-after-steps", "3"], interrupted], metrics, checkpoint
+
+    def get(name):
+        if name not in made:
+            steps, metrics, checkpoint = commands(name)
+            output = "".join(run_ok(command, timeout=120).stdout for command in steps)
+            made[name] = output, read_metrics(metrics), checkpoint
+        return made[name]
+
+    return get
+
+
+NORMS = r"gradient norms: (\d+), sum ([-+.\deE]+), sha256 (\w+)"  # every step's pre-clip norm: count, sum, hash
+
+
+def rank_lines(output):
+    """{rank: (parameter checksum, steps, sum of the gradient norms, hash of them all)} from every rank's last line."""
+    return {int(found[0]): found[1:] for found in re.findall(
+        rf"rank (\d) done: parameter checksum ([-+.\deE]+); {NORMS}", output)}
+
+
+# --- the port computes what the single-device script computes --------------------------------------------------
+
+@pytest.mark.launch
+def test_two_processes_with_half_the_batch_each_match_one_process_with_the_whole(runs):
+    """Same windows, same order: in each of its 2 micro-batches, rank r takes every 2nd window of the next 4 of
+    the batch the single process takes whole; the first micro-batch's backward runs under no_sync (no all-reduce),
+    the second's all-reduces the sum and DDP averages over the ranks. Not bitwise: float addition is not
+    associative, and the sums run in another order (each rank's two quarter-batch means, halved and added, then the
+    all-reduce's sum and division by 2, against one mean of the whole batch; a process with 2 threads splits its
+    matmuls differently from two with 1) - about 1e-7 relative in fp32, and RTOL = 1e-4 allows for the few steps
+    to amplify it."""
+    single, ported = runs("single")[1], runs("ported")[1]
+    assert [m["step"] for m in single] == [m["step"] for m in ported] == list(range(1, 7))
+    for one, two in zip(single, ported, strict=True):
+        assert one["lr"] == two["lr"], "warm-up and decay count optimizer steps, the same in both"
+        for key in ("loss", "grad_norm", "val_loss", "val_median_window_loss"):
+            if key in one:
+                assert two[key] == pytest.approx(one[key], rel=RTOL), (one["step"], key)
+    assert single[-1]["loss"] < single[0]["loss"] - 0.5, "the loss falls"
+
+
+@pytest.mark.launch
+def test_validation_metrics_are_exact_over_uneven_shards(runs, text):
+    """9 validation windows on 2 ranks: 5 and 4. The loss is the all-reduced sums (of losses and of bytes) divided
+    once, and the median is taken over every window's loss gathered once each: both equal the one-process value.
+    The test text makes rank 0's windows easy and rank 1's hard (make_text), so that rank 0's own median and the
+    mean of the two ranks' means are far from the whole set's: this checks first that, with the final weights,
+    they are (more than 100 x RTOL off), so that a port computing either would fail the comparison."""
+    single, ported = runs("single")[1], runs("ported")[1]
+    evaluated = [(one, two) for one, two in zip(single, ported, strict=True) if "val_loss" in one]
+    assert [one["step"] for one, _ in evaluated] == [3, 6]
+    script = load_script(SINGLE)
+    args = script.parse_args([*map(str, TINY), "--data", str(text)])
+    model = script.GPT(args.block_size, args.n_layer, args.n_head, args.n_embd, 0.0)
+    model.load_state_dict(torch.load(runs("single")[2], weights_only=True)["model"])
+    val = script.load_text(args, processes=1)[1]
+    inputs, targets = script.get_batch(val, list(range(0, 9 * args.block_size, args.block_size)), args.block_size,
+                                       torch.device("cpu"))
+    with torch.no_grad():
+        windows = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(),
+                                                    reduction="none").view(targets.shape).mean(1)
+    exact_mean, exact_median = single[-1]["val_loss"], single[-1]["val_median_window_loss"]
+    assert windows.mean().item() == pytest.approx(exact_mean, rel=RTOL)
+    assert windows.median().item() == pytest.approx(exact_median, rel=RTOL)
+    rank_local_median = windows[0::2].median().item()
+    mean_of_means = (windows[0::2].mean().item() + windows[1::2].mean().item()) / 2
+    assert abs(rank_local_median - exact_median) > 100 * RTOL * exact_median, (rank_local_median, exact_median)
+    assert abs(mean_of_means - exact_mean) > 100 * RTOL * exact_mean, (mean_of_means, exact_mean)
+    for one, two in evaluated:
+        assert two["val_loss"] == pytest.approx(one["val_loss"], rel=RTOL)
+        assert two["val_median_window_loss"] == pytest.approx(one["val_median_window_loss"], rel=RTOL)
+
+
+# --- every rank agrees ----------------------------------------------------------------------------------------
+
+@pytest.mark.launch
+def test_every_rank_computes_the_same_gradient_norm_and_ends_with_the_same_weights(runs):
+    """clip_grad_norm_ runs after the last micro-batch's backward, when DDP has made the gradients identical:
+    every rank's pre-clip norm is the same number at every step (the hash of each rank's list of them, and their
+    sum, agree to the last bit), and so are the weights. And it is the whole batch's norm: the single process's."""
+    output = runs("ported")[0]
+    ranks = rank_lines(output)
+    assert sorted(ranks) == [0, 1] and ranks[0] == ranks[1] and ranks[0][1] == "6"
+    steps, total, _ = re.search(NORMS, runs("single")[0]).groups()
+    assert steps == "6" and float(total) == pytest.approx(float(ranks[0][2]), rel=RTOL)
+    assert output.count("sample:") == 1 and output.count("val loss") == 2, "rank 0 alone logs and samples"
+
+
+def gathered_and_refused(rank, world_size):
+    """In one 2-process group (one start-up for two claims): rank r's values of 9 items, shared as
+    DistributedSampler and as gpt_ddp.py share them, then gathered; then the text check, each rank with another
+    digest (which ends the group)."""
+    from torch.utils.data import DistributedSampler
+
+    ported = load_script(PORTED)
+    values = torch.arange(9.0)
+    sampler = list(DistributedSampler(range(9), num_replicas=world_size, rank=rank, shuffle=False))
+    padded = [torch.zeros(len(sampler)) for _ in range(world_size)]
+    torch.distributed.all_gather(padded, values[sampler])
+    gathered = torch.cat(padded).tolist(), ported.gather_uneven(values[rank::world_size], 9).tolist()
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said), pytest.raises(SystemExit) as stopped:
+        ported.check_same_text(f"digest of the text rank {rank} read", "text.txt")
+    return gathered, (stopped.value.code, said.getvalue())
+
+
+@pytest.fixture(scope="module")
+def group_results():
+    return run_group(gathered_and_refused, 2)
+
+
+@pytest.mark.multiproc
+def test_a_gathered_metric_counts_each_item_once_where_distributed_sampler_counts_one_twice(group_results):
+    sampler_gathered, exact = group_results[0][0]
+    assert sorted(sampler_gathered) == [0, 0, 1, 2, 3, 4, 5, 6, 7, 8], "DistributedSampler pads with item 0 again"
+    assert sorted(exact) == list(range(9))
+
+
+@pytest.mark.multiproc
+def test_ranks_that_read_different_texts_refuse_together_in_one_line(group_results):
+    (code0, said0), (code1, said1) = (refused for _, refused in group_results)
+    assert code0 == code1 == 1
+    assert said0.startswith("error: --data text.txt: the ranks read different bytes") and said1 == ""
+    assert "check_same_text(digest, args.data)" in inspect.getsource(load_script(PORTED).main), "main checks"
+
+
+@pytest.mark.launch
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step_without_a_snapshot_of_it(text, tmp_path):
+    """Rank 1's loss alone becomes NaN at step 3 (NAN_LOSS_AT): the all-reduced loss is NaN on both ranks, so
+    both stop there - none waits for the other in the next all-reduce - and the snapshot of step 2 stays."""
+    checkpoint = tmp_path / "gpt.pt"
+    command = torchrun(2, PORTED, *TINY, "--data", text, "--batch-size", "4", "--checkpoint", checkpoint)
+    result = run(command, timeout=120, env=clean_env(NAN_LOSS_AT="1:3"))
+    assert result.returncode == 1, result.stdout[-3000:]  # torchrun's status: 1 for any failed worker
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the loss is nan at step 3; the weights of step 2 are the last finite ones; try a "
+                      "lower --lr"], result.stdout[-3000:]
+    assert "step 3/6" not in result.stdout and "rank 0 done" not in result.stdout
+    snapshot = torch.load(checkpoint, weights_only=True)
+    assert snapshot["step"] == 2 and all(value.isfinite().all() for value in snapshot["model"].values())
+
+
+# --- a stopped run resumes exactly ---------------------------------------------------------------------------
+
+@pytest.mark.launch
+def test_a_run_stopped_mid_training_resumes_to_exactly_the_uninterrupted_parameters(runs):
+    """--stop-after-steps 3 stops both ranks as SIGTERM would (a snapshot, exit 0); the same command resumes from
+    the snapshot - weights, AdamW's moments, the schedule's place and the position in the data - and ends on the
+    very same bits as the run that was never stopped."""
+    output, metrics, checkpoint = runs("resumed")
+    assert "stopped after step 3; the same command resumes from there" in output
+    assert "resumed from" in output and "step 3 of 6" in output
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    resumed, uninterrupted = (torch.load(path, weights_only=True) for path in (checkpoint, runs("ported")[2]))
+    assert resumed["step"] == uninterrupted["step"] == 6
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    assert metrics[3:] == [{**m, "tokens_per_s": n["tokens_per_s"]} for m, n in zip(runs("ported")[1][3:], metrics[3:],
+                                                                                   strict=True)]
+
+
+# --- what the single-device script promises ------------------------------------------------------------------
+
+def test_refused_flags_say_why_in_one_line(capsys, text):
+    for script in (SINGLE, PORTED):
+        for flags, said in ((["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
+                            (["--lr", "nan"], "--lr"), (["--steps", "0"], "--steps must be at least 1"),
+                            (["--data", "missing.txt"], "--data missing.txt: no such file")):
+            with pytest.raises(SystemExit):
+                load_script(script).parse_args(flags)
+            assert said in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_text_too_short_for_one_global_batch_is_refused(text, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text(text.read_text()[:200])
+    single = load_script(SINGLE)
+    with pytest.raises(SystemExit, match="error: --data .*: 200 bytes are too few"):
+        single.load_text(single.parse_args(["--data", str(short)]), processes=2)
+
+
+def test_bf16_autocast_trains_on_the_cpu(text, tmp_path, capsys):
+    single = load_script(SINGLE)
+    metrics = tmp_path / "amp.jsonl"
+    single.main(single.parse_args([*TINY, "--data", str(text), "--amp", "--batch-size", "4", "--metrics",
+                                   str(metrics)]))
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert "sample:" in capsys.readouterr().out
+
+
+@pytest.mark.launch
+def test_the_ported_script_refuses_to_run_without_torchrun():
+    result = run([PYTHON, PORTED, "--steps", "1"], timeout=60)
+    assert result.returncode == 1 and "must be started by torchrun" in result.stdout
+
+
+def test_the_scripts_are_standalone_and_the_built_in_text_ships_with_them():
+    for script in (SINGLE, PORTED):
+        source = (REPO / script).read_text()
+        assert not re.search(r"^(from|import) (lessons|helpers|port)\b", source, re.M)
+    data = REPO / "port/data/ddp_steps_prose.txt"
+    assert 100_000 < data.stat().st_size <= 2_000_000 and (REPO / "port/data/README.md").exists()
