@@ -1,5 +1,6 @@
 """What the benchmark programs share: 02_torchrun.py loaded as a module, so that they train its model on its
 data and only the loop differs from the tutorial's; and the start every one of them makes."""
+import argparse
 import importlib.util
 import os
 from pathlib import Path
@@ -17,3 +18,19 @@ def start():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     torch.manual_seed(0)
+
+
+def paired_steps_arguments():
+    """The flags of the benchmarks that time two variants in paired, alternating steps."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, default=10, help="blocks of paired steps: one ratio each")
+    parser.add_argument("--pairs", type=int, default=20, help="paired steps per block")
+    parser.add_argument("--batch-size", type=int, default=64)
+    return parser.parse_args()
+
+
+def rank_batches(batch_size, count=8):
+    """`count` batches of 02's synthetic images, different on every rank (seeded by the rank)."""
+    data = step02.SyntheticImages(batch_size * count, seed=dist.get_rank())
+    return [(torch.stack([data[i][0] for i in range(b, b + batch_size)]),
+             torch.tensor([data[i][1] for i in range(b, b + batch_size)])) for b in range(0, len(data), batch_size)]

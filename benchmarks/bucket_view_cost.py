@@ -11,7 +11,6 @@ copy is the bound: the option cannot save more per step than copying the gradien
 too. Rank 0 prints one JSON line: the ratio without / with (above 1.0: the option is faster) per block of
 paired steps, its median, smallest and largest, the bound as a ratio, and the verdict the spread allows.
 """
-import argparse
 import copy
 import json
 import statistics
@@ -20,20 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _shared import start, step02  # 02_torchrun.py's model and data
+from _shared import paired_steps_arguments, rank_batches, start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--blocks", type=int, default=10, help="blocks of paired steps: one ratio each")
-parser.add_argument("--pairs", type=int, default=20, help="paired steps per block")
-parser.add_argument("--batch-size", type=int, default=64)
-args = parser.parse_args()
-
+args = paired_steps_arguments()
 start()
-data = step02.SyntheticImages(args.batch_size * 8, seed=dist.get_rank())
-batches = [(torch.stack([data[i][0] for i in range(b, b + args.batch_size)]),
-            torch.tensor([data[i][1] for i in range(b, b + args.batch_size)]))
-           for b in range(0, len(data), args.batch_size)]
+batches = rank_batches(args.batch_size)
 base = step02.build_model("cnn", 10)
 models = {"with": DDP(copy.deepcopy(base), gradient_as_bucket_view=True),
           "without": DDP(copy.deepcopy(base), gradient_as_bucket_view=False)}

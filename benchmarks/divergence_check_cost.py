@@ -11,7 +11,6 @@ is bounded by that sequence alone, timed here too: the ratio with / without cann
 the check costs time) per block of paired steps, its median, smallest and largest, the bound as a ratio, and the
 verdict the spread allows.
 """
-import argparse
 import json
 import statistics
 import time
@@ -19,20 +18,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _shared import start, step02  # 02_torchrun.py's model and data
+from _shared import paired_steps_arguments, rank_batches, start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--blocks", type=int, default=10, help="blocks of paired steps: one ratio each")
-parser.add_argument("--pairs", type=int, default=20, help="paired steps per block")
-parser.add_argument("--batch-size", type=int, default=64)
-args = parser.parse_args()
-
+args = paired_steps_arguments()
 start()
-data = step02.SyntheticImages(args.batch_size * 8, seed=dist.get_rank())
-batches = [(torch.stack([data[i][0] for i in range(b, b + args.batch_size)]),
-            torch.tensor([data[i][1] for i in range(b, b + args.batch_size)]))
-           for b in range(0, len(data), args.batch_size)]
+batches = rank_batches(args.batch_size)
 model = DDP(step02.build_model("cnn", 10), gradient_as_bucket_view=True)  # as in the scripts
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
 totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples: as in the scripts
