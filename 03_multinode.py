@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -42,8 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--download", action="store_true", help="download cifar10 if it is missing")
     parser.add_argument("--train-samples", type=int, default=None, help="use only this many training samples")
     parser.add_argument("--val-samples", type=int, default=None, help="use only this many validation samples")
-    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU) or a torchvision model name, "
-                        "e.g. resnet18")
+    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31M parameters, most "
+                        "memory in weights: step 05's; 'wide-N': N wide) or a torchvision model name, e.g. resnet18")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per process")
     parser.add_argument("--checkpoint", default=None, help="write the model here (a plain state_dict)")
@@ -64,9 +65,10 @@ def parse_args(argv=None):
         parser.error(f"--num-workers must be 0 or more, got {args.num_workers}")
     if not (0 < args.lr < float("inf") and 0 < args.timeout < float("inf")):
         parser.error(f"--lr and --timeout must be positive numbers, got {args.lr} and {args.timeout}")
-    if args.model != "cnn" and args.model not in torchvision.models.list_models(torchvision.models):
-        parser.error(f"--model {args.model}: unknown; use 'cnn' or a torchvision classification model, listed by "
-                     "python -c 'import torchvision; print(torchvision.models.list_models(torchvision.models))'")
+    if args.model != "cnn" and not re.fullmatch(r"wide(-[1-9][0-9]*)?", args.model) and args.model not in \
+            torchvision.models.list_models(torchvision.models):
+        parser.error(f"--model {args.model}: unknown; use 'cnn', 'wide' or a torchvision classification model, listed "
+                     "by python -c 'import torchvision; print(torchvision.models.list_models(torchvision.models))'")
     if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
         parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
     if args.evaluate and not os.path.isfile(args.evaluate):
@@ -176,6 +178,11 @@ def load_image(path):
 
 
 def build_model(name, num_classes):
+    if name.startswith("wide"):  # many wide layers: weights, gradients and momentum outweigh the activations
+        width = int(name[5:] or 2048)  # wide: 31.5M parameters (126 MB in fp32); wide-256: 1.2M, for quick runs
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(6)]
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), *blocks,
+                             nn.Linear(width, num_classes))
     if name == "cnn":
         def block(c_in, c_out):
             return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
