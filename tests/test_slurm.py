@@ -111,6 +111,33 @@ def test_04_preemption_snapshots_requeues_and_resumes_to_the_uninterrupted_resul
     assert checksums == set(re.findall(r"parameter checksum ([-+.\deE]+)", uninterrupted)) and len(checksums) == 1
 
 
+def test_05_on_two_nodes_is_preempted_requeued_and_resumes_from_its_sharded_snapshot(cluster):
+    """slurm/05_fsdp.sbatch (04's job, running 05_fsdp.py): 2 nodes x 1 process; USR1, as before the time limit,
+    makes them write a sharded snapshot folder and stop; the requeued job resumes from it on both nodes, and ends
+    with the whole model in one plain file. (The resume's exactness is proven under torchrun: tests/test_fsdp.py.)"""
+    _, job, _ = submit("05_fsdp.sbatch", *TRAIN_04, "--model", "wide-256", wait=False, options=["--gpus-per-node=1"])
+    snapshot = SLURM / f"logs/ddp-05-{job}"
+    deadline = time.monotonic() + 120
+    while not (snapshot / "train_state.pt").exists():
+        assert time.monotonic() < deadline, "no snapshot"
+        time.sleep(0.2)
+    run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env())
+    while run(["squeue", "-h", "-j", job], env=slurm_env()).stdout.strip():
+        assert time.monotonic() < deadline + 180, "the requeued job did not finish"
+        time.sleep(1)
+    output = read_log(SLURM / f"logs/ddp-05-{job}.out")
+    whole_model = SLURM / f"logs/ddp-05-{job}.model.pt"
+    assert whole_model.is_file(), output[-3000:]
+    for folder in (snapshot, SLURM / f"logs/ddp-05-{job}.prev"):
+        shutil.rmtree(folder, ignore_errors=True)
+    whole_model.unlink()
+    assert f"job {job}, restart 0: 05_fsdp.py on 2 nodes x 1 processes" in output
+    assert re.search(r"stopped by a signal in epoch \d+, \d+ samples in", output)
+    assert f"job {job}, restart 1:" in output and "resumed from" in output and "epoch 2/2" in output
+    assert set(re.findall(r"\[(n\d)\] rank \d done", output)) == {"n1", "n2"}
+    assert len(set(re.findall(r"parameter checksum ([-+.\deE]+)", output))) == 1
+
+
 def test_gpt_ddp_sbatch_trains_on_the_local_cluster(cluster, tmp_path):
     """The ported GPT (port/gpt_ddp.py) submitted unmodified: 2 processes on n1 train to the end, every rank with
     the same parameters, and the job's snapshot is written. (Its exact resume is proven under torchrun in
