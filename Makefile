@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OLDEST := .venv-oldest
+OLDEST_FSDP := .venv-oldest-fsdp
 # One process per GPU when there are GPUs, else 2 CPU processes.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 2)
 # A quick subset of the tests: nothing that starts processes.
@@ -11,6 +12,8 @@ QUICK := not launch and not multiproc and not multihost and not faults and not s
 # On the oldest torch: the tests that launch the numbered scripts (each trains; 04 killed and resumed; the
 # preemption path) and the sbatch files on the local Slurm cluster (root; skipped without it).
 OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_slurm.py
+# Step 05 (FSDP2 on CPU) needs a later torch than the others: its oldest has a venv of its own.
+OLDEST_FSDP_TESTS := tests/test_fsdp.py tests/test_fsdp_mistakes.py
 
 .PHONY: setup demo test test-quick test-root test-oldest lock diffs lint clean
 
@@ -41,14 +44,22 @@ $(OLDEST)/.installed: requirements-oldest.txt
 	$(OLDEST)/bin/pip install --disable-pip-version-check -r requirements-oldest.txt
 	touch $@
 
-test-oldest: $(OLDEST)/.installed
+$(OLDEST_FSDP)/.installed: requirements-oldest-fsdp.txt
+	$(PYTHON) -m venv $(OLDEST_FSDP)
+	$(OLDEST_FSDP)/bin/pip install --disable-pip-version-check -r requirements-oldest-fsdp.txt
+	touch $@
+
+test-oldest: $(OLDEST)/.installed $(OLDEST_FSDP)/.installed
 	$(OLDEST)/bin/pytest $(OLDEST_TESTS)
+	$(OLDEST_FSDP)/bin/pytest $(OLDEST_FSDP_TESTS)
 
 # Regenerates both locks from their .in files (a maintainer's step: docs/versions.md, "Moving the pin").
 lock: setup
 	$(BIN)/pip install --disable-pip-version-check --quiet uv
 	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements.in -o requirements.txt
 	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements-oldest.in -o requirements-oldest.txt
+	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements-oldest-fsdp.in \
+		-o requirements-oldest-fsdp.txt
 
 diffs: setup
 	$(BIN)/python tools/make_diffs.py
@@ -57,4 +68,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) $(OLDEST_FSDP) .pytest_cache .ruff_cache
