@@ -81,3 +81,23 @@ def test_the_published_benchmark_table_is_what_the_committed_raw_figures_give():
     _, _, table = benchmark.summarize(json.loads((REPO / "benchmarks/results.json").read_text()))
     assert (REPO / "benchmarks/results.md").read_text() == table, "run: .venv/bin/python benchmarks/run.py --table-only"
     assert table in (REPO / "docs/performance.md").read_text(), "docs/performance.md: paste benchmarks/results.md"
+
+
+def test_the_fsdp_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
+    """benchmarks/fsdp_memory.md is made from its json only; docs/fsdp.md and the README quote its figures."""
+    benchmark = load_script("benchmarks/fsdp_memory.py")
+    report = benchmark.markdown(json.loads((REPO / "benchmarks/fsdp_memory.json").read_text()))
+    assert (REPO / "benchmarks/fsdp_memory.md").read_text() == report, \
+        "run: .venv/bin/python benchmarks/fsdp_memory.py --table-only"
+    docs, readme = (REPO / "docs/fsdp.md").read_text(), (REPO / "README.md").read_text()
+    for figure in ("| FSDP | 2 | 180.2, 228.2 at peak | 180.2 |", "| FSDP | 4 | 90.1, 138.1 at peak | 90.1 |",
+                   "| 2 | 202 | 412 | 2.07 (1.86-2.10) |", "| FSDP | 2 | 240.3 | 180.2 | 240.5 | 240.8 |",
+                   "| 2 | 1.001 (1.000) | 0.500 (0.500) | 1.001 (0.500) |", "| 4 | 2.38e-07 | 1.03e-07 | 38 of 40 |",
+                   "| DDP | 2 | 120.1 | 120.1 | 120.3 | 120.4 |",
+                   "| FSDP | 2 | 180.2, 228.2 at peak | 180.2 | 0 | 701.2 | 136.1 | 801.6 |",
+                   "| DDP | 2 | 360.4 | 360.4 | 0 | 702.0 | 241.5 | 459.6 |"):
+        assert figure in report, figure
+    for quoted in ("180.2 MB (180.2)", "90.1 MB (90.1)", "2.07 (1.86-2.10)", "1.97 (1.76-2.75)", "2.00 (1.34-2.46)",
+                   "802 MB against 460 MB", "240.8 MB", "120.4 MB", "2.4e-7"):
+        assert quoted in docs, quoted
+    assert "2.07 times as long as DDP's at 2 processes (1.86-2.10" in readme and "360.4, 180.2 and 90.1 MB" in readme
