@@ -484,6 +484,13 @@ def main(args):
     # (reduce-scatter) right after its backward: only one layer is whole at a time. The root unit last: it takes
     # what no layer took. BatchNorm's running stats are not sharded: each rank keeps its own (DDP copied rank 0's)
     mesh = init_device_mesh(device.type, (world_size,))  # the processes that share the pieces: all of them
+    # FSDP2 asks the reduce-scatter for the mean; older torch's gloo silently gave the sum (pytorch/pytorch#162338),
+    # which trains with world_size times the gradient. One tiny reduce-scatter tells, on every rank alike
+    mean = torch.empty(1, device=device)
+    dist.reduce_scatter_tensor(mean, torch.ones(world_size, device=device), op=dist.ReduceOp.AVG)
+    if mean.item() != 1:
+        log(f"error: torch {torch.__version__}'s reduce-scatter sums where FSDP2 asks for a mean: see docs/versions.md")
+        sys.exit(1)
     for layer in model.children():
         if list(layer.parameters()):
             fully_shard(layer, mesh=mesh)
