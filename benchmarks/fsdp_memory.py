@@ -305,8 +305,9 @@ def why(r, mb, P):
             "its post_forward_mesh_info = None), and the root here holds no parameters of its own.",
             f"- **Gloo's reduce-scatter is not a ring reduce-scatter.** Alone it puts {wire:.2f} x the tensor on the "
             "wire at N=2, where a ring sends 0.50: all-reduce bytes. So FSDP2 sends about 4(N-1)/N x 4P per step, "
-            "not 3(N-1)/N, more than DDP; all_reduce and all_gather_single do match ring. Measured, not read: gloo "
-            "is C++, not in the installed source. NCCL on GPUs would differ.",
+            "not 3(N-1)/N, more than DDP; all_reduce and all_gather_single do match ring. Measured: gloo is C++, not "
+            "in the installed source; the pull request that added gloo's reduce_scatter (pytorch/pytorch#149869) "
+            "describes it, and the older reduce_scatter_tensor, as built from all-reduces. NCCL on GPUs would differ.",
             "- **Losses.** DDP divides before it sums (its C++ reducer scales each gradient by 1/N into the bucket, as "
             "torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py, _allreduce_fut, does in Python: "
             "tensor.div_ then all_reduce); FSDP2 asks the collective for the mean (_fsdp_collectives.py, "
