@@ -42,7 +42,7 @@ import torchvision
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import fully_shard  # on a CPU: torch 2.7 or later (docs/versions.md)
+from torch.distributed.fsdp import fully_shard  # on a CPU: torch 2.9.1 or later (docs/versions.md)
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import transforms
