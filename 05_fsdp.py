@@ -257,7 +257,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after
         # pinned memory + non_blocking lets the copy to the GPU overlap with compute (a no-op on CPU)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         last_micro_step = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
-        # FSDP2's no_sync: skip the gradient reduce-scatter on micro-batches before the last; it runs once, on the sum
+        # FSDP2's no_sync: no reduce-scatter before the last micro-batch (each rank holds whole gradients till then)
         model.set_requires_gradient_sync(last_micro_step)
         with autocast(device, args.amp):
             loss = F.cross_entropy(model(images), labels)
@@ -325,7 +325,9 @@ def save_checkpoint(path, checkpoint):
         shutil.rmtree(path + ".tmp")  # what a crash left of a snapshot being written
     dist.barrier()
     # every rank writes (and fsyncs) its own pieces; rank 0 writes the index (.metadata) once all have written
-    dcp.save(checkpoint.pop("sharded"), checkpoint_id=path + ".tmp")
+    # (a tensor every rank holds whole, as BatchNorm's running stats, is written once: rank 0's, like DDP's)
+    dcp.save(checkpoint.pop("sharded"), checkpoint_id=path + ".tmp",
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     # the rest, and the renames: global rank 0 alone (on a filesystem all nodes share, one writer per node would race)
     if dist.get_rank() != 0:
         dist.barrier()  # the others wait until the folder is in place before moving on
@@ -335,9 +337,8 @@ def save_checkpoint(path, checkpoint):
         time.sleep(float(os.environ.get("SNAPSHOT_WRITE_DELAY", 0)))  # lets the tests kill the writer mid-write
         f.flush()
         os.fsync(f.fileno())  # on the disk, not only in the page cache, before it replaces anything
-    if os.path.exists(path + ".prev"):
-        shutil.rmtree(path + ".prev")
-    if os.path.exists(path):
+    if os.path.exists(path):  # PATH.prev goes only when PATH takes its place: after a crash between the renames
+        shutil.rmtree(path + ".prev", ignore_errors=True)  # below, PATH.prev is the one snapshot left
         os.replace(path, path + ".prev")
     os.replace(path + ".tmp", path)  # atomic: a crash mid-write never leaves a half-written checkpoint
     log(f"saved snapshot {path} (epoch {checkpoint['epoch']}, +{checkpoint['samples_done']} samples) "
@@ -350,8 +351,9 @@ def export_model(path, model, extra):
     read without this script or a process group. This one process reads every rank's pieces from disk: the whole
     model is never gathered over the network or onto a GPU, only into this process's CPU memory, once."""
     whole = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in model.state_dict().items()}  # full shapes
-    with warnings.catch_warnings(action="ignore"):  # no_dist: this process alone, no collective (and no warning
-        dcp.load({"model": whole}, checkpoint_id=path, no_dist=True)  # that it assumed so)
+    with warnings.catch_warnings():  # no_dist: this process alone, no collective (and no warning that it assumed so)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": whole}, checkpoint_id=path, no_dist=True)
     with open(path + ".model.pt.tmp", "wb") as f:
         torch.save({**extra, "model": whole}, f)
         f.flush()
@@ -479,10 +481,10 @@ def main(args):
     model = build_model(args.model, num_classes).to(device)  # the same seed on every rank: the same weights
     snapshot, followed = load_snapshot(args, device, num_classes) if args.checkpoint else (None, [])
     # fully_shard keeps 1/world_size of each parameter on this rank (its rows: a DTensor) and frees the rest. Every
-    # layer with weights is a unit: its weights are gathered from all ranks (all-gather) just before its forward and
+    # top-level layer or block with weights is a unit: gathered from all ranks (all-gather) just before its forward and
     # again before its backward, freed after each (reshard_after_forward), and its gradients summed and split
     # (reduce-scatter) right after its backward: only one layer is whole at a time. The root unit last: it takes
-    # what no layer took. BatchNorm's running stats are not sharded: each rank keeps its own (DDP copied rank 0's)
+    # what no layer took. BatchNorm's running stats are not sharded, nor copied: each rank updates its own
     mesh = init_device_mesh(device.type, (world_size,))  # the processes that share the pieces: all of them
     # FSDP2 asks the reduce-scatter for the mean; older torch's gloo silently gave the sum (pytorch/pytorch#162338),
     # which trains with world_size times the gradient. One tiny reduce-scatter tells, on every rank alike
@@ -505,9 +507,9 @@ def main(args):
     start_epoch, samples_done = 1, 0  # samples_done: of the current epoch, by all ranks together
     if snapshot:
         # each rank reads the parts of the saved tensors its pieces need, whatever the world size that wrote them
-        model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # this rank's pieces: shapes to fill
+        model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # views of this rank's pieces, to fill
         dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=snapshot["path"])
-        set_state_dict(raw_model, optimizer, model_state_dict=model_state,
+        set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # and the learning rates (param_groups)
                        optim_state_dict={"state": optimizer_state["state"], "param_groups": snapshot["param_groups"]})
         scheduler.load_state_dict(snapshot["scheduler"])
         scaler.load_state_dict(snapshot["scaler"])
@@ -607,11 +609,11 @@ def main(args):
             save_checkpoint(args.checkpoint, make_snapshot(epoch, 0))
     if writer:
         writer.close()
-    if args.checkpoint and rank == 0:  # the others wait in the checksum's first all-gather (up to --timeout)
-        export_model(args.checkpoint, raw_model, {"model_name": args.model, "num_classes": num_classes,
-                                                   "epoch": args.epochs, "args": vars(args)})
     # full_tensor: gathers each whole parameter from its pieces (every rank takes part)
     checksum = sum(p.full_tensor().double().sum().item() for p in raw_model.parameters())  # equal on every rank
+    if args.checkpoint and rank == 0:  # after the last collective: however long it takes, nobody waits for it
+        export_model(args.checkpoint, raw_model, {"model_name": args.model, "num_classes": num_classes,
+                                                   "epoch": args.epochs, "args": vars(args)})
     print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}\n", end="", flush=True)
     dist.destroy_process_group()
 

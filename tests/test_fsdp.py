@@ -145,7 +145,7 @@ print(model(torch.zeros(1, 3, 32, 32)).shape)"""
     converted = tmp_path / "converted.pt"  # the command docs/fsdp.md gives: snapshot (model and momentum) to a file
     subprocess.run([PYTHON, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", snapshot,
                     converted], check=True, capture_output=True, timeout=120, cwd=tmp_path)
-    from_converter = torch.load(converted, weights_only=False)["model"]  # (the converter's own file: a pickle)
+    from_converter = torch.load(converted, weights_only=True)["model"]
     mine = whole_model(snapshot)
     assert from_converter.keys() == mine.keys() and all(torch.equal(from_converter[k], mine[k]) for k in mine)
     result = run([PYTHON, SCRIPT, "--evaluate", f"{snapshot}.model.pt"], timeout=120)
