@@ -364,7 +364,8 @@ def export_model(path, model, extra):
 
 def load_snapshot(args, device, num_classes):
     """(The newest usable snapshot of PATH or PATH.prev, the flags changed since), or (None, []). All ranks read its
-    small part here; each reads its own pieces of the weights once the model is sharded."""
+    small part here; each reads its own pieces of the weights once the model is sharded (DCP reads its index,
+    .metadata, with plain pickle: resume only snapshots your own jobs wrote)."""
     candidates = [p for p in (args.checkpoint, args.checkpoint + ".prev") if os.path.exists(p)]
     for candidate in candidates:
         try:  # weights_only: a snapshot is a pickle, and unpickling an untrusted one could run arbitrary code
@@ -480,11 +481,11 @@ def main(args):
 
     model = build_model(args.model, num_classes).to(device)  # the same seed on every rank: the same weights
     snapshot, followed = load_snapshot(args, device, num_classes) if args.checkpoint else (None, [])
-    # fully_shard keeps 1/world_size of each parameter on this rank (its rows: a DTensor) and frees the rest. Every
+    # fully_shard keeps about 1/world_size of each parameter on this rank (its rows: a DTensor), frees the rest. Every
     # top-level layer or block with weights is a unit: gathered from all ranks (all-gather) just before its forward and
-    # again before its backward, freed after each (reshard_after_forward), and its gradients summed and split
-    # (reduce-scatter) right after its backward: only one layer is whole at a time. The root unit last: it takes
-    # what no layer took. BatchNorm's running stats are not sharded, nor copied: each rank updates its own
+    # again before its backward, freed after each (reshard_after_forward), and its gradients averaged and split
+    # (reduce-scatter) right after its backward: at most two units are whole at a time (backward gathers the next one
+    # early). The root unit last: it takes what no layer took. BatchNorm's running stats: each rank updates its own
     mesh = init_device_mesh(device.type, (world_size,))  # the processes that share the pieces: all of them
     # FSDP2 asks the reduce-scatter for the mean; older torch's gloo silently gave the sum (pytorch/pytorch#162338),
     # which trains with world_size times the gradient. One tiny reduce-scatter tells, on every rank alike
