@@ -13,7 +13,7 @@ QUICK := not launch and not multiproc and not multihost and not faults and not s
 # preemption path) and the sbatch files on the local Slurm cluster (root; skipped without it).
 OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_slurm.py
 # Step 05 (FSDP2 on CPU) needs a later torch than the others: its oldest has a venv of its own.
-OLDEST_FSDP_TESTS := tests/test_fsdp.py tests/test_fsdp_mistakes.py
+OLDEST_FSDP_TESTS := tests/test_fsdp.py
 
 .PHONY: setup demo test test-quick test-root test-oldest lock diffs lint clean
 
