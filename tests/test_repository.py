@@ -95,9 +95,13 @@ def test_the_fsdp_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
                    "| 2 | 1.001 (1.000) | 0.500 (0.500) | 1.001 (0.500) |", "| 4 | 2.38e-07 | 1.03e-07 | 38 of 40 |",
                    "| DDP | 2 | 120.1 | 120.1 | 120.3 | 120.4 |",
                    "| FSDP | 2 | 180.2, 228.2 at peak | 180.2 | 0 | 701.2 | 136.1 | 801.6 |",
-                   "| DDP | 2 | 360.4 | 360.4 | 0 | 702.0 | 241.5 | 459.6 |"):
+                   "| DDP | 2 | 360.4 | 360.4 | 0 | 702.0 | 241.5 | 459.6 | 396.6 |",
+                   "| FSDP | 1 | 360.4, 408.4 at peak | 360.4 | 0 | 702.3 | 147.9 | 828.4 | 413.0 |",
+                   "| FSDP | 4 | 90.1, 138.1 at peak | 90.1 | 32784 | 702.2 | 129.9 | 865.4 | 175.0 |"):
         assert figure in report, figure
     for quoted in ("180.2 MB (180.2)", "90.1 MB (90.1)", "2.07 (1.86-2.10)", "1.97 (1.76-2.75)", "2.00 (1.34-2.46)",
-                   "802 MB against 460 MB", "240.8 MB", "120.4 MB", "2.4e-7"):
+                   "802 MB against 460 MB", "240.8 MB", "120.4 MB", "2.4e-7", "413.0, 254.6 and 175.0 MB",
+                   "394.5 to 398.1 MB"):
         assert quoted in docs, quoted
     assert "2.07 times as long as DDP's at 2 processes (1.86-2.10" in readme and "360.4, 180.2 and 90.1 MB" in readme
+    assert "254.6 MB against 396.6 MB" in readme
