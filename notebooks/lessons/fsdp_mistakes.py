@@ -102,7 +102,8 @@ def optimizer_order(rank, world_size, steps=3):
 
 # --- b. A state dict or a collective on rank 0 only -------------------------------------------------------------
 
-RANK0_CALLS = ("get_model_state_dict(full_state_dict=True)", "p.full_tensor()", "dcp.save")
+RANK0_CALLS = ("get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))",
+               "p.full_tensor()", "dcp.save")
 
 
 def rank0_only(rank, world_size, folder, call=RANK0_CALLS[0]):
