@@ -81,8 +81,22 @@ def test_sbatch_file_trains_on_the_local_cluster(cluster, name):
         assert f"{world_size} processes" in output
 
 
+def preempt_when(written, job, name):
+    """Waits until `written` (the job's first snapshot) exists, sends USR1 to the batch shell as Slurm would before
+    the time limit (scancel --batch fires the trap at once), waits for the requeued job to end; returns its log."""
+    deadline = time.monotonic() + 120
+    while not written.exists():
+        assert time.monotonic() < deadline, "no snapshot"
+        time.sleep(0.2)
+    run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env())
+    while run(["squeue", "-h", "-j", job], env=slurm_env()).stdout.strip():
+        assert time.monotonic() < deadline + 180, "the requeued job did not finish"
+        time.sleep(1)
+    return read_log(SLURM / f"logs/{name}-{job}.out")
+
+
 def test_04_preemption_snapshots_requeues_and_resumes_to_the_uninterrupted_result(cluster):
-    """scancel --batch --signal=USR1 fires the trap at once, as Slurm would before the time limit."""
+    """An uninterrupted job, then one preempted after its first snapshot: the same parameters."""
     one_gpu = ["--gpus-per-node=1"]  # 2 nodes x 1 process: this machine has 2 cores
     result, job, log = submit("04_fault_tolerant.sbatch", *TRAIN_04, options=one_gpu)
     uninterrupted = read_log(log)
@@ -92,15 +106,7 @@ def test_04_preemption_snapshots_requeues_and_resumes_to_the_uninterrupted_resul
 
     _, job, _ = submit("04_fault_tolerant.sbatch", *TRAIN_04, wait=False, options=one_gpu)
     snapshot = SLURM / f"logs/ddp-04-{job}.pt"
-    deadline = time.monotonic() + 120
-    while not snapshot.exists():
-        assert time.monotonic() < deadline, "no snapshot"
-        time.sleep(0.2)
-    run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env())
-    while run(["squeue", "-h", "-j", job], env=slurm_env()).stdout.strip():
-        assert time.monotonic() < deadline + 180, "the requeued job did not finish"
-        time.sleep(1)
-    output = read_log(SLURM / f"logs/ddp-04-{job}.out")
+    output = preempt_when(snapshot, job, "ddp-04")
     for path in (snapshot, SLURM / f"logs/ddp-04-{job}.pt.prev"):
         path.unlink(missing_ok=True)
     assert "USR1: asking the workers to snapshot and stop" in output
@@ -117,15 +123,7 @@ def test_05_on_two_nodes_is_preempted_requeued_and_resumes_from_its_sharded_snap
     with the whole model in one plain file. (The resume's exactness is proven under torchrun: tests/test_fsdp.py.)"""
     _, job, _ = submit("05_fsdp.sbatch", *TRAIN_04, "--model", "wide-256", wait=False, options=["--gpus-per-node=1"])
     snapshot = SLURM / f"logs/ddp-05-{job}"
-    deadline = time.monotonic() + 120
-    while not (snapshot / "train_state.pt").exists():
-        assert time.monotonic() < deadline, "no snapshot"
-        time.sleep(0.2)
-    run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env())
-    while run(["squeue", "-h", "-j", job], env=slurm_env()).stdout.strip():
-        assert time.monotonic() < deadline + 180, "the requeued job did not finish"
-        time.sleep(1)
-    output = read_log(SLURM / f"logs/ddp-05-{job}.out")
+    output = preempt_when(snapshot / "train_state.pt", job, "ddp-05")
     whole_model = SLURM / f"logs/ddp-05-{job}.model.pt"
     assert whole_model.is_file(), output[-3000:]
     for folder in (snapshot, SLURM / f"logs/ddp-05-{job}.prev"):
