@@ -244,7 +244,10 @@ CLUSTER_DIR = "/tmp/ddp-steps-slurm-tests"
 
 
 def slurm_env():
-    return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf")
+    """The jobs run the torch these tests run: its venv is active, as `source bin/activate` would make it (an active
+    venv goes to the job with the environment, and the sbatch files then leave the repository's .venv alone)."""
+    return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf", VIRTUAL_ENV=sys.prefix,
+                     PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}")
 
 
 def submit(name, *args, wait=True, options=()):

@@ -3,9 +3,11 @@ their output in a log, logs followed as they are written (with arrival times, to
 bounded waits that kill stragglers, metrics files, and Processes: a few long-lived processes that form a gloo
 group on demand. Everything prints no absolute path or host name, so committed outputs say nothing about the
 machine that made them."""
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,8 +24,10 @@ from helpers import free_port, kill_tree, load_script, run_group  # noqa: E402, 
 
 
 def workdir():
-    """A scratch folder for metrics and snapshots (its path is never printed)."""
-    return Path(tempfile.mkdtemp(prefix="ddp-steps-notebook-"))
+    """A scratch folder for metrics and snapshots (its path is never printed), deleted when the kernel exits."""
+    folder = Path(tempfile.mkdtemp(prefix="ddp-steps-notebook-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def environment(**extra):
