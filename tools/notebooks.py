@@ -14,8 +14,10 @@ torch version it ran with; tests/test_notebooks.py checks cells, hash and versio
 means re-executing every notebook), and runs each notebook.
 """
 import hashlib
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,10 +71,22 @@ def build(name):
 
 
 def execute(notebook, timeout=600):
+    """Runs the notebook in a fresh kernel whose TMPDIR is a folder of its own, deleted afterwards: the lesson's
+    scratch folders and its processes' files go with it, even when the kernel is killed at shutdown (its exit
+    handlers then never run)."""
     from nbclient import NotebookClient
 
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(FOLDER)}}).execute()
+    with tempfile.TemporaryDirectory(prefix="ddp-steps-kernel-", ignore_cleanup_errors=True) as scratch:
+        outer = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = scratch  # the kernel inherits this environment
+        try:
+            NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+                           resources={"metadata": {"path": str(FOLDER)}}).execute()
+        finally:
+            if outer is None:
+                os.environ.pop("TMPDIR")
+            else:
+                os.environ["TMPDIR"] = outer
     return notebook
 
 
