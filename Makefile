@@ -17,6 +17,9 @@ OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/
 # Step 05 (FSDP2 on CPU) needs a later torch than the others: its oldest has a venv of its own.
 OLDEST_FSDP_TESTS := tests/test_fsdp.py $(FSDP_SLURM_TEST)
 
+# One target at a time, even under make -j: the test targets share the local Slurm cluster and the machine's cores.
+.NOTPARALLEL:
+
 .PHONY: setup demo test test-quick test-root test-oldest test-oldest-ddp test-oldest-fsdp lock diffs lint clean
 
 setup: $(VENV)/.installed

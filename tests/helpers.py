@@ -244,8 +244,11 @@ CLUSTER_DIR = "/tmp/ddp-steps-slurm-tests"
 
 
 def slurm_env():
-    """The jobs run the torch these tests run: its venv is active, as `source bin/activate` would make it (an active
-    venv goes to the job with the environment, and the sbatch files then leave the repository's .venv alone)."""
+    """The jobs run the torch these tests run: when that is a venv's, the venv is active, as `source bin/activate`
+    would make it (an active venv goes to the job with the environment, and the sbatch files then leave the
+    repository's .venv alone)."""
+    if sys.prefix == sys.base_prefix:  # not a venv: the sbatch files use the repository's .venv, as for a user
+        return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf")
     return clean_env(SLURM_CONF=f"{CLUSTER_DIR}/slurm.conf", VIRTUAL_ENV=sys.prefix,
                      PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}")
 
