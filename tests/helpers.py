@@ -58,20 +58,43 @@ def start(command, env=None, cwd=REPO, output=subprocess.PIPE):
                             stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def finish(process, timeout=180):
+def finish(process, timeout=180, log=None):
     """Waits for a started command, or kills it and everything it started at `timeout`: a hang fails the
-    test with the output so far, and leaves no process behind."""
+    test with the output so far (from its pipe, or from `log`, the file it writes to), and leaves no process
+    behind."""
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        where = stacks(process.pid)
         kill_tree(process.pid)
         output, _ = process.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {process.args}\n{output[-3000:]}") from None
+        if log is not None:
+            output = Path(log).read_text(errors="replace")
+        output = (output or "")[-3000:]
+        raise AssertionError(f"timed out after {timeout} s: {process.args}\n{output}\n{where}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, output, None)
 
 
 def run(command, timeout=180, env=None, cwd=REPO):
     return finish(start(command, env, cwd), timeout)
+
+
+def stacks(pid):
+    """Where each process of a hung command is, for its test's failure: every Python thread's stack in the
+    process and its descendants, from py-spy (in every venv's lock) where this user may read them."""
+    spy = Path(sys.executable).with_name("py-spy")
+    try:
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return ""
+    if not spy.exists():
+        return f"(no py-spy beside {sys.executable}: no stacks)"
+    dumps = ["the stacks at the timeout (py-spy dump):"]
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess, subprocess.TimeoutExpired):
+            dump = subprocess.run([spy, "dump", "--pid", str(member.pid)], capture_output=True, text=True, timeout=30)
+            dumps.append(f"{' '.join(member.cmdline())[:160]}\n{dump.stdout or dump.stderr}")
+    return "\n".join(dumps)[-20000:]
 
 
 def kill_tree(pid):

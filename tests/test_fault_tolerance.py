@@ -42,7 +42,7 @@ def launch(tmp_path, name, cmd, env=None):
 
 
 def wait(process, log, timeout=240):
-    result = finish(process, timeout)
+    result = finish(process, timeout, log)
     return result.returncode, log.read_text()
 
 
