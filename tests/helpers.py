@@ -92,7 +92,8 @@ def stacks(pid):
     dumps = ["the stacks at the timeout (py-spy dump):"]
     for member in family:
         with contextlib.suppress(psutil.NoSuchProcess, subprocess.TimeoutExpired):
-            dump = subprocess.run([spy, "dump", "--pid", str(member.pid)], capture_output=True, text=True, timeout=30)
+            dump = subprocess.run([spy, "dump", "--native", "--pid", str(member.pid)], capture_output=True, text=True,
+                                  timeout=30)  # --native: the C frames too (a hang inside fork() has no Python ones)
             dumps.append(f"{' '.join(member.cmdline())[:160]}\n{dump.stdout or dump.stderr}")
     return "\n".join(dumps)[-20000:]
 
