@@ -80,8 +80,8 @@ def run(command, timeout=180, env=None, cwd=REPO):
 
 
 def stacks(pid):
-    """Where each process of a hung command is, for its test's failure: every Python thread's stack in the
-    process and its descendants, from py-spy (in every venv's lock) where this user may read them."""
+    """Where each process of a hung command is, for its test's failure: every thread's stack, Python and native,
+    in the process and its descendants, from py-spy (in every venv's lock) where this user may read them."""
     spy = Path(sys.executable).with_name("py-spy")
     try:
         family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
