@@ -190,6 +190,13 @@ def test_ten_restarts_in_a_row_without_a_hang(reference, tmp_path):
     for kill in range(10):
         seen = wait_for_new_snapshot(snapshot, seen, timeout=90)
         random.Random(kill).choice(workers(agent)).kill()
+        # the next kill waits for the restart: a rank still writing when its peer died would otherwise give
+        # a "new" snapshot at once, and the kill would hit a dying worker instead of a restarted one
+        deadline = time.monotonic() + 90
+        while log.read_text().count("resumed from") <= kill:
+            assert time.monotonic() < deadline, f"no restart {kill + 1} within 90 s"
+            time.sleep(0.05)
+        seen = snapshot.stat().st_mtime_ns
     code, output = wait(agent, log, timeout=300)
     assert code == 0, output[-3000:]
     assert output.count("resumed from") == 10
