@@ -90,9 +90,9 @@ def test_a_gather_on_rank_0_only_ends_in_the_timeout_on_both_ranks(groups, call)
     zero, one = (rank.get("rank 0 only", rank)[f"rank 0 alone: {call}"] for rank in groups[0][call])
     assert zero["waiting in"] == call and one["waiting in"] == "dist.barrier()"
     timed_out = f"RuntimeError: Timed out waiting {TIMEOUT * 1000}ms for "
-    # both wait, neither gets an answer: gloo's timeout ends both, seconds apart. The rank whose clock runs out
-    # second may instead see the first one's connection close ("Connection closed by peer", once in CI): the same
-    # end, at the same time.
+    # both wait, neither gets an answer: gloo's timeout ends both, milliseconds apart. A rank whose wait times out
+    # closes its connections, so the other may fail a moment early with "Connection closed by peer" (once in CI):
+    # the same end, at the same time.
     assert timed_out in (zero["outcome"][:len(timed_out)], one["outcome"][:len(timed_out)]), (zero, one)
     for rank in (zero, one):
         assert rank["outcome"].startswith((timed_out, "RuntimeError: Connection closed by peer")), rank
