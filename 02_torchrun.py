@@ -41,7 +41,7 @@ def parse_args(argv=None):
     parser.add_argument("--download", action="store_true", help="download cifar10 if it is missing")
     parser.add_argument("--train-samples", type=int, default=None, help="use only this many training samples")
     parser.add_argument("--val-samples", type=int, default=None, help="use only this many validation samples")
-    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31M parameters, most "
+    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31.5M parameters, most "
                         "memory in weights: step 05's; 'wide-N': N wide) or a torchvision model name, e.g. resnet18")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per process")
@@ -177,7 +177,7 @@ def load_image(path):
 
 def build_model(name, num_classes):
     if name.startswith("wide"):  # many wide layers: weights, gradients and momentum outweigh the activations
-        width = int(name[5:] or 2048)  # wide: 31.5M parameters (126 MB in fp32); wide-256: 1.2M, for quick runs
+        width = int(name[5:] or 2048)  # wide: 31.5M parameters (120 MiB in fp32); wide-256: 1.2M, for quick runs
         blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(6)]
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), *blocks,
                              nn.Linear(width, num_classes))
@@ -368,7 +368,7 @@ def main(args):
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
-        if not math.isfinite(val_loss):  # the epoch's last step made the weights non-finite: save none of them
+        if not math.isfinite(val_loss):  # weights or BatchNorm stats non-finite, or fp16 logits overflowed: save none
             log(f"error: the validation loss is {val_loss} after epoch {epoch}; these weights were not saved. Try a "
                 f"lower --lr (this run: {args.lr})")
             dist.barrier()  # rank 0 has said why before any rank exits
@@ -388,6 +388,10 @@ def main(args):
     if writer:
         writer.close()
     dist.destroy_process_group()
+    # Leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
+    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, exit -6)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

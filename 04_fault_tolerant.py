@@ -53,7 +53,7 @@ def parse_args(argv=None):
     parser.add_argument("--download", action="store_true", help="download cifar10 if it is missing")
     parser.add_argument("--train-samples", type=int, default=None, help="use only this many training samples")
     parser.add_argument("--val-samples", type=int, default=None, help="use only this many validation samples")
-    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31M parameters, most "
+    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31.5M parameters, most "
                         "memory in weights: step 05's; 'wide-N': N wide) or a torchvision model name, e.g. resnet18")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per process")
@@ -193,7 +193,7 @@ def load_image(path):
 
 def build_model(name, num_classes):
     if name.startswith("wide"):  # many wide layers: weights, gradients and momentum outweigh the activations
-        width = int(name[5:] or 2048)  # wide: 31.5M parameters (126 MB in fp32); wide-256: 1.2M, for quick runs
+        width = int(name[5:] or 2048)  # wide: 31.5M parameters (120 MiB in fp32); wide-256: 1.2M, for quick runs
         blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(6)]
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), *blocks,
                              nn.Linear(width, num_classes))
@@ -261,8 +261,8 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after
                 log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
                     f"before that step changed any weight. Try a lower --lr (this run: {args.lr})"
                     + " or leave out --amp" * args.amp
-                    + f"; {args.checkpoint} holds the last finite weights: resume from it with a lower --lr and "
-                    "--allow-new-lr" * bool(args.checkpoint and os.path.exists(args.checkpoint)))
+                    + f"; {args.checkpoint} holds the last finite weights saved (not the steps since): resume from it "
+                    "with a lower --lr and --allow-new-lr" * bool(args.checkpoint and os.path.exists(args.checkpoint)))
                 dist.barrier()  # rank 0 has said why before any rank exits (the launcher then stops the others)
                 sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
@@ -454,7 +454,8 @@ def main(args):
         scheduler.load_state_dict(snapshot["scheduler"])
         scaler.load_state_dict(snapshot["scaler"])
         torch.set_rng_state(snapshot["rng"]["torch"].cpu())
-        torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]])
+        # the writer's node may have had more GPUs than this one: restore as many as there are (not run: no GPU here)
+        torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]][:torch.cuda.device_count()])
         random.setstate(snapshot["rng"]["python"])
         if args.lr != snapshot["args"]["lr"]:  # --allow-new-lr: the schedule goes on from its place, scaled
             for group in optimizer.param_groups:
@@ -474,8 +475,8 @@ def main(args):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # 0 if any rank holds a non-finite number
         if not finite:
             log(f"error: the weights are not finite in epoch {epoch}; this snapshot was not saved. Try a lower --lr "
-                f"(this run: {args.lr})" + f"; {args.checkpoint} holds the last finite weights: resume from it with "
-                "a lower --lr and --allow-new-lr" * os.path.exists(args.checkpoint))
+                f"(this run: {args.lr})" + f"; {args.checkpoint} holds the last finite weights saved (not the steps "
+                "since): resume from it with a lower --lr and --allow-new-lr" * os.path.exists(args.checkpoint))
             dist.barrier()  # rank 0 has said why before any rank exits
             sys.exit(1)
         return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,
@@ -501,7 +502,8 @@ def main(args):
         if stop.item():
             log(f"stopped by a signal in epoch {epoch}, {done} samples in; the same command resumes from there")
             dist.destroy_process_group()
-            sys.exit(0)  # not a failure: torchrun must not spend a restart on it
+            sys.stdout.flush()
+            os._exit(0)  # not a failure (torchrun must not spend a restart on it); no shutdown: see the end of main
     writer = None
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -527,7 +529,7 @@ def main(args):
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
-        if not math.isfinite(val_loss):  # the epoch's last step made the weights non-finite: save none of them
+        if not math.isfinite(val_loss):  # weights or BatchNorm stats non-finite, or fp16 logits overflowed: save none
             log(f"error: the validation loss is {val_loss} after epoch {epoch}; these weights were not saved. Try a "
                 f"lower --lr (this run: {args.lr})")
             dist.barrier()  # rank 0 has said why before any rank exits
@@ -549,6 +551,10 @@ def main(args):
     checksum = sum(p.double().sum().item() for p in raw_model.parameters())  # equal on every rank, every node
     print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}\n", end="", flush=True)
     dist.destroy_process_group()
+    # Leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
+    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, exit -6)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

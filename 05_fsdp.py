@@ -1,11 +1,11 @@
 """Step 05: step 04's fault-tolerant training, with the model sharded over the processes (FSDP2) instead of copied.
 
-DDP keeps a whole copy of the weights, the gradients and the optimizer state on every process: a model that does
-not fit one GPU does not fit DDP either. fully_shard splits each of them into world-size pieces, one per process;
-a layer's whole weights exist only while its forward or backward runs (gathered from every process just before,
-freed just after), and each process keeps only its piece of the averaged gradients. Snapshots are sharded too:
-PATH is a folder in which every process writes its own pieces (torch.distributed.checkpoint), and a resume
-reads them back on any number of processes. At the end PATH.model.pt holds the whole model in one plain file.
+DDP keeps a whole copy of the weights, gradients and optimizer state on every process; fully_shard splits each into
+world-size pieces, one per process. A layer's whole weights are gathered for its forward and again for its backward,
+freed after each (two layers at most are whole: backward gathers the next one early); each process keeps only its piece
+of the averaged gradients. The model is still built whole on every process before that: its fp32 weights must fit one
+device, its training state need not (docs/fsdp.md). Snapshots are sharded: PATH is a folder in which every process
+writes its pieces (torch.distributed.checkpoint), and a resume reads them on any number of processes.
 
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
       05_fsdp.py --model wide --checkpoint snapshot
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     parser.add_argument("--download", action="store_true", help="download cifar10 if it is missing")
     parser.add_argument("--train-samples", type=int, default=None, help="use only this many training samples")
     parser.add_argument("--val-samples", type=int, default=None, help="use only this many validation samples")
-    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31M parameters, most "
+    parser.add_argument("--model", default="cnn", help="'cnn' (small, fast on CPU), 'wide' (31.5M parameters, most "
                         "memory in weights: step 05's; 'wide-N': N wide) or a torchvision model name, e.g. resnet18")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per process")
@@ -204,7 +204,7 @@ def load_image(path):
 
 def build_model(name, num_classes):
     if name.startswith("wide"):  # many wide layers: weights, gradients and momentum outweigh the activations
-        width = int(name[5:] or 2048)  # wide: 31.5M parameters (126 MB in fp32); wide-256: 1.2M, for quick runs
+        width = int(name[5:] or 2048)  # wide: 31.5M parameters (120 MiB in fp32); wide-256: 1.2M, for quick runs
         blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(6)]
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), *blocks,
                              nn.Linear(width, num_classes))
@@ -273,8 +273,8 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after
                 log(f"error: the loss is {loss_so_far.item()} at step {step + 1} of epoch {epoch}; the run stopped "
                     f"before that step changed any weight. Try a lower --lr (this run: {args.lr})"
                     + " or leave out --amp" * args.amp
-                    + f"; {args.checkpoint} holds the last finite weights: resume from it with a lower --lr and "
-                    "--allow-new-lr" * bool(args.checkpoint and os.path.exists(args.checkpoint)))
+                    + f"; {args.checkpoint} holds the last finite weights saved (not the steps since): resume from it "
+                    "with a lower --lr and --allow-new-lr" * bool(args.checkpoint and os.path.exists(args.checkpoint)))
                 dist.barrier()  # rank 0 has said why before any rank exits (the launcher then stops the others)
                 sys.exit(1)  # a failure: Slurm and torchrun must not count a diverged run as done
             scaler.step(optimizer)
@@ -479,7 +479,7 @@ def main(args):
     # not DistributedSampler: it pads shards to equal length by repeating samples, which would count twice
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
 
-    model = build_model(args.model, num_classes).to(device)  # the same seed on every rank: the same weights
+    model = build_model(args.model, num_classes).to(device)  # whole, on every rank (same seed: same weights)
     snapshot, followed = load_snapshot(args, device, num_classes) if args.checkpoint else (None, [])
     # fully_shard keeps about 1/world_size of each parameter on this rank (its rows: a DTensor), frees the rest. Every
     # top-level layer or block with weights is a unit: gathered from all ranks (all-gather) just before its forward and
@@ -515,7 +515,8 @@ def main(args):
         scheduler.load_state_dict(snapshot["scheduler"])
         scaler.load_state_dict(snapshot["scaler"])
         torch.set_rng_state(snapshot["rng"]["torch"].cpu())
-        torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]])
+        # the writer's node may have had more GPUs than this one: restore as many as there are (not run: no GPU here)
+        torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]][:torch.cuda.device_count()])
         random.setstate(snapshot["rng"]["python"])
         if args.lr != snapshot["args"]["lr"]:  # --allow-new-lr: the schedule goes on from its place, scaled
             for group in optimizer.param_groups:
@@ -537,8 +538,8 @@ def main(args):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # 0 if any rank holds a non-finite number
         if not finite:
             log(f"error: the weights are not finite in epoch {epoch}; this snapshot was not saved. Try a lower --lr "
-                f"(this run: {args.lr})" + f"; {args.checkpoint} holds the last finite weights: resume from it with "
-                "a lower --lr and --allow-new-lr" * os.path.exists(args.checkpoint))
+                f"(this run: {args.lr})" + f"; {args.checkpoint} holds the last finite weights saved (not the steps "
+                "since): resume from it with a lower --lr and --allow-new-lr" * os.path.exists(args.checkpoint))
             dist.barrier()  # rank 0 has said why before any rank exits
             sys.exit(1)
         return {"sharded": {"model": model_state, "optimizer": optimizer_state["state"]},  # momentum too: without
@@ -565,7 +566,8 @@ def main(args):
         if stop.item():
             log(f"stopped by a signal in epoch {epoch}, {done} samples in; the same command resumes from there")
             dist.destroy_process_group()
-            sys.exit(0)  # not a failure: torchrun must not spend a restart on it
+            sys.stdout.flush()
+            os._exit(0)  # not a failure (torchrun must not spend a restart on it); no shutdown: see the end of main
     writer = None
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -591,7 +593,7 @@ def main(args):
         samples_per_s = samples / (time.perf_counter() - start)
         scheduler.step()
         val_loss, val_accuracy = evaluate(model, val_loader, device, args.amp)
-        if not math.isfinite(val_loss):  # the epoch's last step made the weights non-finite: save none of them
+        if not math.isfinite(val_loss):  # weights or BatchNorm stats non-finite, or fp16 logits overflowed: save none
             log(f"error: the validation loss is {val_loss} after epoch {epoch}; these weights were not saved. Try a "
                 f"lower --lr (this run: {args.lr})")
             dist.barrier()  # rank 0 has said why before any rank exits
@@ -617,6 +619,10 @@ def main(args):
                                                    "epoch": args.epochs, "args": vars(args)})
     print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}\n", end="", flush=True)
     dist.destroy_process_group()
+    # Leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
+    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, exit -6)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

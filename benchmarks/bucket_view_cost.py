@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 
+import _verdict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -64,14 +65,10 @@ copy_s = statistics.median(copies)
 step_s = statistics.median(medians["with"])
 bound = (step_s + copy_s) / step_s  # the largest ratio without / with that saving one copy can give
 low, middle, high = min(ratios), statistics.median(ratios), max(ratios)
-if high < 1.0:
-    verdict = "slower with the option"
-elif low > bound:
-    verdict = "biased: the whole spread lies past the bound (one copy of the gradients)"
-elif low > 1.0:
-    verdict = "faster with the option"
-else:
-    verdict = "not resolved on this machine"
+faster = _verdict.verdict(low, high, bound, above="biased: the whole spread lies past the bound (one copy of the "
+                          "gradients)", below="faster with the option", neither="faster with the option")
+verdict = _verdict.verdict(low, high, 1.0, above=faster, below="slower with the option",
+                           neither="not resolved on this machine")  # benchmarks/_verdict.py: the spread decides
 if dist.get_rank() == 0:
     print(json.dumps({"torch": torch.__version__.split("+")[0], "world_size": dist.get_world_size(),
                       "gradient_bytes": gradients.numel() * 4, "step_ms_with": 1000 * step_s,

@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 
+import _verdict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -69,14 +70,11 @@ for _ in range(200):
 check_s, step_s = statistics.median(checks), statistics.median(medians[False])
 bound = (step_s + check_s) / step_s  # the ratio with / without that the check's own time gives
 low, middle, high = min(ratios), statistics.median(ratios), max(ratios)
-if low > 1.0 and low > bound:
-    verdict = "biased: the whole spread lies past the bound (the check alone)"
-elif low > 1.0:
-    verdict = "slower with the check"
-elif high < 1.0:
-    verdict = "faster with the check: noise or bias, the check only adds work"
-else:
-    verdict = f"no difference resolved: the spread includes 1.0; the check alone is {100 * (bound - 1):.2f} % of a step"
+slower = _verdict.verdict(low, high, bound, above="biased: the whole spread lies past the bound (the check alone)",
+                          below="slower with the check", neither="slower with the check")
+verdict = _verdict.verdict(  # benchmarks/_verdict.py: the spread decides
+    low, high, 1.0, above=slower, below="faster with the check: noise or bias, the check only adds work",
+    neither=f"no difference resolved: the spread includes 1.0; the check alone is {100 * (bound - 1):.2f} % of a step")
 if dist.get_rank() == 0:
     print(json.dumps({"torch": torch.__version__.split("+")[0], "world_size": dist.get_world_size(),
                       "step_ms_without": 1000 * step_s, "step_ms_with": 1000 * statistics.median(medians[True]),

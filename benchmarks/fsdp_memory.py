@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # benchmarks/, also when this file is loaded as a module (tests/test_repository.py)
+import _verdict  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("step04", HERE.parent / "04_fault_tolerant.py")
 step04 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(step04)
@@ -109,8 +112,7 @@ def worker(args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    sys.path.insert(0, str(HERE))
-    from _shared import rank_batches
+    from _shared import rank_batches  # benchmarks/ is on the path (above)
     batches = rank_batches(args.batch_size)
     torch.manual_seed(0)  # the same seed everywhere: one model, whose shards FSDP2 keeps
     if args.worker == "pair":
@@ -204,10 +206,9 @@ def launch(args, world, kind, timeout=300, **env):
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("[")))
 
 
-def verdict(low, high):
-    if low > 1.0:
-        return "FSDP2 slower"
-    return "FSDP2 faster" if high < 1.0 else "cannot tell on this machine (the spread includes 1.0)"
+def verdict(low, high):  # FSDP2 / DDP: benchmarks/_verdict.py, the spread decides
+    return _verdict.verdict(low, high, 1.0, above="FSDP2 slower", below="FSDP2 faster",
+                            neither="cannot tell on this machine (the spread includes 1.0)")
 
 
 def padding(ranks):  # storage bytes beyond the tensors' own: FSDP2's dim-0 padding (0 for DDP's bucket views)

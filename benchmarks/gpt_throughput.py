@@ -19,6 +19,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
+from _verdict import verdict
 from run import REPO, TORCHRUN, collect, launch, machine
 
 STEPS, SKIP = 30, 5  # optimizer steps per run; the first SKIP are left out of the median
@@ -78,10 +79,12 @@ def summarize(measured):
     table = ["| measurement | value |", "|---|---|"]
     table += [f"| {name} | {value:.0f} tokens/s ({min(r[name] for r in repeats):.0f}–"
               f"{max(r[name] for r in repeats):.0f}) |" for name, value in median.items()]
-    table += [f"| **{name}** | **{statistics.median(values):.3f}** ({min(values):.3f}–{max(values):.3f})"
-              f"{' not resolved: the spread includes 1.0' if min(values) <= 1.0 <= max(values) else ''} |"
+    unresolved = " not resolved: the spread includes 1.0"  # benchmarks/_verdict.py: the spread decides
+    words = {name: verdict(min(values), max(values), 1.0, above="", below="", neither=unresolved)
+             for name, values in ratios.items()}
+    table += [f"| **{name}** | **{statistics.median(values):.3f}** ({min(values):.3f}–{max(values):.3f}){words[name]} |"
               for name, values in ratios.items()]
-    unresolved = [name.split(":")[0] for name, values in ratios.items() if min(values) <= 1.0 <= max(values)]
+    unresolved = [name.split(":")[0] for name, word in words.items() if word]
     footer = (f"\nNot resolved on this machine (spread includes 1.0): {'; '.join(unresolved)}. In a repeat "
               "where two independent processes together ran no faster than one, the 2 cores were not 2 free cores: "
               "the ceiling's ratio is then not read as a ceiling.\n"

@@ -95,17 +95,21 @@ def parse_args(argv=None):
 def load_text(args, processes):
     """The text as bytes (the model's tokens: 256 of them, no tokenizer to ship), split 90/10 into training
     and validation, and its SHA-256. Refuses, in one line, a text too short to train or validate on."""
-    with open(args.data, "rb") as f:
-        text = f.read()
-    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    train, val = tokens[:len(tokens) * 9 // 10], tokens[len(tokens) * 9 // 10:]
+    try:
+        with open(args.data, "rb") as f:
+            text = f.read()
+    except OSError as error:  # missing, a folder, unreadable: one line, not a traceback
+        sys.exit(f"error: --data {args.data}: {error.strerror or error}")
+    split = len(text) * 9 // 10  # an empty or short file is refused below, before any tensor is made of it
     global_batch = args.batch_size * args.grad_accum * processes
-    if len(train) - args.block_size < global_batch or len(val) <= args.block_size:
+    if split - args.block_size < global_batch or len(text) - split <= args.block_size:
         sys.exit(f"error: --data {args.data}: {len(text)} bytes are too few for --block-size {args.block_size} and "
                  f"a global batch of {global_batch} windows; give a longer text or smaller sizes")
     folder = os.path.dirname(os.path.abspath(args.checkpoint or args.metrics or "."))
     if not os.access(folder, os.W_OK):
         sys.exit(f"error: {folder} is not a writable folder (--checkpoint, --metrics)")
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    train, val = tokens[:split], tokens[split:]
     return train, val, hashlib.sha256(text).hexdigest()
 
 
@@ -214,10 +218,10 @@ def check_same_text(digest, path):
 
 
 def gather_uneven(values, total):
-    """Every rank's values when rank r holds items r, r + world_size, ... of `total`: gloo's all_gather wants
-    one size (NCCL's takes uneven ones, as torch documents), so each shard is padded to the largest and the padding
-    cut off again by the shard sizes every rank can compute. (DistributedSampler pads by repeating samples
-    instead: gathered, those would count twice.)"""
+    """Every rank's values when rank r holds items r, r + world_size, ... of `total`: gloo's all_gather refuses
+    uneven sizes (torch's docstring says they are supported, naming no backend; NCCL's: not run here), so each shard
+    is padded to the largest and the padding cut off again by the shard sizes every rank can compute.
+    (DistributedSampler pads by repeating samples instead: gathered, those would count twice.)"""
     world_size = dist.get_world_size()  # lesson 08
     padded = torch.zeros(-(-total // world_size), device=values.device)  # lesson 08
     padded[:len(values)] = values  # lesson 08
@@ -309,7 +313,7 @@ def main(args):
                               max(1, cores // int(os.environ["LOCAL_WORLD_SIZE"])))
     # step 01: gloo on CPU, NCCL on GPU; a peer that never answers fails the collective after --timeout
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+ GPUs; no effect on CPU
+    torch.set_float32_matmul_precision("high")  # for TF32 on Ampere+ GPUs (also sets oneDNN's CPU matmuls to tf32)
     check_same_text(digest, args.data)  # lesson 08
     num_windows = len(train_tokens) - args.block_size
     torch.manual_seed(args.seed)  # the initial weights
@@ -380,8 +384,8 @@ def main(args):
         dist.all_reduce(check)  # step 01 + step 04
         loss_value, stop = check[0].item() / world_size, check[1].item() > 0  # step 01 + step 04
         if not math.isfinite(loss_value):
-            fail(f"the loss is {loss_value} at step {step + 1}; the weights of step {step} are the last finite "
-                 "ones; try a lower --lr")
+            fail(f"the loss is {loss_value} at step {step + 1}; the last snapshot, if any, holds finite weights (the "
+                 "steps since it are lost); try a lower --lr")
         # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
         # lesson 08: after the all-reduce (the last micro-batch's backward): every rank has the same gradients, so
         # every rank computes the same norm and clips alike; before it, each would clip its own shard's gradient
@@ -416,7 +420,8 @@ def main(args):
             log(f"stopped after step {done}" + ("; the same command resumes from there" if args.checkpoint else ""))
             dist.barrier()  # lesson 08: leave together, as at the end of the run (below)
             dist.destroy_process_group()  # step 01
-            sys.exit(0)  # step 04: not a failure: torchrun must not spend a restart on it
+            sys.stdout.flush()  # step 04
+            os._exit(0)  # step 04: not a failure (no restart spent on it); no shutdown: see the end of main
     if rank == 0:  # step 01: one process samples
         log("sample:\n" + sample(raw_model, args, device))
     checksum = sum(p.double().sum().item() for p in raw_model.parameters())
@@ -424,8 +429,12 @@ def main(args):
     # every rank: equal on all of them (the weights, and the gradient norms, lesson 08)
     print(f"rank {rank} done: parameter checksum {checksum!r}; gradient norms: {norms_digest}\n", end="",
           flush=True)  # one write per line: lines of different ranks never run into each other
-    dist.barrier()  # lesson 08: leave together: gloo's teardown has aborted (SIGABRT) a rank, more often without it
+    dist.barrier()  # lesson 08: leave together
     dist.destroy_process_group()  # step 01
+    # step 01: leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds
+    # the group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, -6)
+    sys.stdout.flush()  # step 01
+    os._exit(0)  # step 01
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ that resume exactly (--checkpoint), and a few lines sampled at the end. Read it 
 `diff port/gpt_single.py port/gpt_ddp.py`: that diff is the whole port, each line naming the step that taught it.
 
   python port/gpt_single.py                             # ~1.5 min on 2 CPU cores; final validation loss ~1.7
-  python port/gpt_single.py --checkpoint gpt.pt         # stop it, run it again: it resumes where it stopped
+  python port/gpt_single.py --checkpoint gpt.pt         # stop it, run it again: it resumes from its last snapshot
 """
 import argparse
 import hashlib
@@ -85,17 +85,21 @@ def parse_args(argv=None):
 def load_text(args, processes):
     """The text as bytes (the model's tokens: 256 of them, no tokenizer to ship), split 90/10 into training
     and validation, and its SHA-256. Refuses, in one line, a text too short to train or validate on."""
-    with open(args.data, "rb") as f:
-        text = f.read()
-    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    train, val = tokens[:len(tokens) * 9 // 10], tokens[len(tokens) * 9 // 10:]
+    try:
+        with open(args.data, "rb") as f:
+            text = f.read()
+    except OSError as error:  # missing, a folder, unreadable: one line, not a traceback
+        sys.exit(f"error: --data {args.data}: {error.strerror or error}")
+    split = len(text) * 9 // 10  # an empty or short file is refused below, before any tensor is made of it
     global_batch = args.batch_size * args.grad_accum * processes
-    if len(train) - args.block_size < global_batch or len(val) <= args.block_size:
+    if split - args.block_size < global_batch or len(text) - split <= args.block_size:
         sys.exit(f"error: --data {args.data}: {len(text)} bytes are too few for --block-size {args.block_size} and "
                  f"a global batch of {global_batch} windows; give a longer text or smaller sizes")
     folder = os.path.dirname(os.path.abspath(args.checkpoint or args.metrics or "."))
     if not os.access(folder, os.W_OK):
         sys.exit(f"error: {folder} is not a writable folder (--checkpoint, --metrics)")
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    train, val = tokens[:split], tokens[split:]
     return train, val, hashlib.sha256(text).hexdigest()
 
 
@@ -248,7 +252,7 @@ def load_checkpoint(args, device, digest):
 
 def main(args):
     device = choose_device(args.device)
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+ GPUs; no effect on CPU
+    torch.set_float32_matmul_precision("high")  # for TF32 on Ampere+ GPUs (also sets oneDNN's CPU matmuls to tf32)
     train_tokens, val_tokens, digest = load_text(args, processes=1)
     num_windows = len(train_tokens) - args.block_size
     torch.manual_seed(args.seed)  # the initial weights
@@ -296,8 +300,8 @@ def main(args):
         # stop at the first non-finite loss, before it reaches the weights or a snapshot
         loss_value = step_loss.item()
         if not math.isfinite(loss_value):
-            fail(f"the loss is {loss_value} at step {step + 1}; the weights of step {step} are the last finite "
-                 "ones; try a lower --lr")
+            fail(f"the loss is {loss_value} at step {step + 1}; the last snapshot, if any, holds finite weights (the "
+                 "steps since it are lost); try a lower --lr")
         # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
         if not math.isfinite(grad_norm):

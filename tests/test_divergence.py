@@ -1,8 +1,8 @@
-"""A run that goes wrong loses nothing and says why. A non-finite loss stops every step's run at once, on every
-rank together (a rank that stopped alone would leave the others waiting in the next all-reduce), with one line
-and a failing exit status, before the optimizer applies it; 04 never writes a snapshot whose weights or momentum
-are not finite, so the last good snapshot and its .prev survive; and a resume from it with a lower --lr, said on
-purpose with --allow-new-lr, finishes the run."""
+"""A run that goes wrong loses nothing but the steps since its last snapshot, and says why. A non-finite loss stops
+every step's run (00-05) at once, on every rank together (a rank that stopped alone would leave the others waiting
+in the next all-reduce), with one line and a failing exit status, before the optimizer applies it; 04 and 05 never
+write a snapshot whose weights or momentum are not finite, so the last good snapshot and its .prev survive; and a
+resume from it with a lower --lr, said on purpose with --allow-new-lr, finishes the run (04)."""
 import re
 import signal
 import time
@@ -18,13 +18,14 @@ TINY = ["--train-samples", "512", "--val-samples", "64", "--batch-size", "32", "
 DIVERGING = ["--lr", "1e6"]  # the CNN's loss is NaN within a few steps
 STOPPED = re.compile(r"^error: the loss is (nan|inf) at step \d+ of epoch 1; the run stopped before that step changed "
                      r"any weight\. Try a lower --lr \(this run: 1000000\.0\)$", re.M)
-COMMANDS = {**DOCUMENTED, "03_multinode.py": torchrun(2, "03_multinode.py")}
+COMMANDS = {**DOCUMENTED, "03_multinode.py": torchrun(2, "03_multinode.py"), "05_fsdp.py": torchrun(2, "05_fsdp.py")}
 
 
 @pytest.mark.parametrize("script", COMMANDS)
 def test_a_diverging_run_stops_at_the_first_non_finite_loss_on_every_rank_with_one_line(script, tmp_path):
-    """00-03 with a learning rate that makes the loss NaN: one line from rank 0, exit status 1 (Slurm and torchrun
-    see a failure), no epoch finished, no checkpoint written, and no rank left waiting for the group's timeout."""
+    """00-03 and 05 with a learning rate that makes the loss NaN: one line from rank 0, exit status 1 (Slurm and
+    torchrun see a failure), no epoch finished, no checkpoint written, and no rank left waiting for the group's
+    timeout."""
     checkpoint = tmp_path / "checkpoint.pt"
     began = time.monotonic()
     result = run([*COMMANDS[script], *TINY, *DIVERGING, "--checkpoint", checkpoint], timeout=120)
@@ -97,8 +98,9 @@ def test_a_divergence_writes_nothing_and_a_resume_with_a_lower_lr_finishes(good_
     result = run_04(snapshot, "--lr", "3e38", "--allow-new-lr")
     assert result.returncode != 0
     line = re.search(r"^error: the loss is (nan|inf) at step \d+ of epoch \d; the run stopped before that step "
-                     r"changed any weight\. Try a lower --lr \(this run: 3e\+38\); (.*) holds the last finite weights: "
-                     r"resume from it with a lower --lr and --allow-new-lr$", result.stdout, re.M)
+                     r"changed any weight\. Try a lower --lr \(this run: 3e\+38\); (.*) holds the last finite weights "
+                     r"saved \(not the steps since\): resume from it with a lower --lr and --allow-new-lr$",
+                     result.stdout, re.M)
     assert line and line.group(2) == str(snapshot), result.stdout[-3000:]
     assert "saved snapshot" not in result.stdout and snapshots(tmp_path) == before
     # 2. without --allow-new-lr, another --lr is refused, and the refusal names the flag
@@ -134,5 +136,23 @@ def test_a_snapshot_of_non_finite_weights_is_never_written(good_snapshot, tmp_pa
     assert result.returncode != 0
     assert result.stdout.count("error: the weights are not finite in epoch ") == 1, result.stdout[-3000:]
     assert (f"this snapshot was not saved. Try a lower --lr (this run: 0.05); {folder / 's.pt'} holds the last finite "
-            "weights") in result.stdout
+            "weights saved (not the steps since)") in result.stdout
     assert "saved snapshot" not in result.stdout and snapshots(folder) == before
+
+
+def test_05_never_writes_a_snapshot_of_non_finite_state(tmp_path):
+    """05's own check, over its sharded state (each rank's pieces, to_local()) and BatchNorm's running statistics
+    (each rank's own). --lr 1e17 makes the first step's weights huge but finite: that step is saved. In the second
+    step's forward BatchNorm normalises the huge activations, so the loss stays finite and the loss check lets the
+    step pass, but its running variance overflows: the snapshot due after that step is refused, on both ranks
+    together, in one line naming the snapshot that stays."""
+    snapshot = tmp_path / "snapshot"
+    result = run([*torchrun(2, "05_fsdp.py"), *TINY, "--lr", "1e17", "--save-every-steps", "1", "--checkpoint",
+                  snapshot], timeout=120)
+    assert result.returncode != 0
+    refused = re.findall(r"^error: the weights are not finite in epoch 1; this snapshot was not saved\. Try a lower "
+                         r"--lr \(this run: 1e\+17\); (.*) holds the last finite weights saved \(not the steps "
+                         r"since\): resume from it with a lower --lr and --allow-new-lr$", result.stdout, re.M)
+    assert refused == [str(snapshot)] and len(re.findall("^error:", result.stdout, re.M)) == 1, result.stdout[-3000:]
+    assert result.stdout.count("saved snapshot") == 1, "only the first step's, finite"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["snapshot"]  # no .tmp, no .prev: nothing after it

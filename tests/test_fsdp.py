@@ -26,9 +26,16 @@ SCRIPT = "05_fsdp.py"
 GLOBAL_BATCH = 48
 TRAIN = ["--model", "wide-256", "--train-samples", "960", "--val-samples", "49", "--epochs", "2", "--save-every-steps",
          "3"]
-# Resumed on another world size, a run sums each step's gradient in another order: equal within this (measured:
-# about 1e-7; float32 weights of size about 0.05)
+# 05 and 04 on 2 ranks sum the same two gradients in the same order: equal up to rounding (measured bitwise).
 ATOL = 1e-5
+# Resumed on another world size, a run sums each step's gradient in another order. Per step that is rounding: the
+# 48-sample gradient as 4 parts or 2 differs by 7.5e-9 at most, the same on every CPU kernel set (ATEN_CPU_CAPABILITY
+# avx512, avx2, default). Over the run's 40 steps a unit whose input is within rounding of 0 can take
+# the other side of its ReLU in one run only, and then that step's gradient differs by that sample's whole share:
+# whether that happens depends on the trajectory, so the end drift is heavy-tailed, not a capability's constant
+# (measured at the end of this test: 1e-7 on AVX-512, 5.6e-5 on AVX2 where 1e-5 failed). The bound: 20 times the
+# largest seen, still 1/100 of the weights' size (about 0.05); the last validation loss must also agree to 4 decimals.
+RESHARD_ATOL = 1e-3
 
 
 def command(nproc, snapshot, *extra, script=SCRIPT, max_restarts=0):
@@ -101,7 +108,7 @@ def test_a_snapshot_of_4_ranks_resumes_on_2_and_on_3(reference, tmp_path):
         assert f"world size 4 then, {nproc} now" in output
         got = whole_model(folder)
         differences = {k: (expected[k] - got[k]).abs().max().item() for k in expected}
-        assert max(differences.values()) <= ATOL, differences
+        assert max(differences.values()) <= RESHARD_ATOL, differences
         assert f"val loss {metrics[-1]['val_loss']:.4f}" in output
 
 

@@ -1,5 +1,5 @@
 """Bad input never trains silently and never crashes late: every input that cannot work is refused before any
-process group forms or any step is taken, with one line naming it and a non-zero exit, by all five scripts
+process group forms or any step is taken, with one line naming it and a non-zero exit, by all six scripts
 alike. The table below is the list of what the scripts refuse; docs/flags.md points here.
 
 Each case runs in-process through the script's own checks (parse_args, then check_inputs), for every script;

@@ -3,7 +3,9 @@ in real gloo groups and compared with torch's DistributedDataParallel; the class
 unused-parameter hang; and the step times of each version beside their bounds."""
 import re
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,9 @@ from torch.nn.functional import cross_entropy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lessons.my_ddp import MyDDP
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import _verdict  # noqa: E402  benchmarks/_verdict.py: the one rule for a verdict word (the spread decides)
 
 CAP_MB = 10_000 / 2**20  # 10,000 bytes: the small model below falls into two buckets
 STEPS = 4
@@ -446,7 +451,7 @@ def paired(a, b):
     """a - b block by block (both measured in the same blocks, interleaved), its (median, min, max), and a word
     only where the whole interval clears zero: "below" (a faster in every block), "above", else "overlaps"."""
     median, low, high = spread([x - y for x, y in zip(a, b, strict=True)])
-    return median, low, high, "below" if high < 0 else "above" if low > 0 else "overlaps"
+    return median, low, high, _verdict.verdict(low, high, 0, above="above", below="below", neither="overlaps")
 
 
 WORDS = {"below": "faster in every block", "above": "slower in every block",
@@ -475,8 +480,6 @@ def timeline_verdict(events, backward_returned):
 def torch_source(relative, text, occurrence=1, lines=1):
     """Where `text` is in the installed torch's `relative` file: 'torch/relative:line: the line', read now;
     with lines=n, that line and the n - 1 after it."""
-    from pathlib import Path
-
     source = (Path(torch.__file__).parent / relative).read_text().splitlines()
     found = [number for number, line in enumerate(source, start=1) if text in line]
     number = found[occurrence - 1]

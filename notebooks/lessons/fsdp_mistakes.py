@@ -28,7 +28,9 @@ def small_model(seed=0):
 
 
 def shard(model, mesh):
-    """As step 05 does: each child with parameters its own FSDP unit, then the root."""
+    """Like step 05: each child with parameters its own FSDP unit, then the root. (05 asks for any parameter, nested
+    ones included, layer.parameters(); this asks for the child's own, recurse=False: the same units for this model,
+    whose children are single layers, not for a model whose children hold only nested layers.)"""
     for child in model:
         if any(True for _ in child.parameters(recurse=False)):
             fully_shard(child, mesh=mesh)
