@@ -390,8 +390,12 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
     if writer:
         writer.close()
     dist.destroy_process_group()
-    # Leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
-    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, exit -6)
+
+
+def main_then_leave(rank, world_size, args):  # what mp.spawn runs in every new process, `rank` its index
+    main(rank, world_size, args)
+    # leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
+    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, -6)
     sys.stdout.flush()
     os._exit(0)
 
@@ -413,6 +417,6 @@ if __name__ == "__main__":
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         try:
-            mp.spawn(main, args=(args.nproc, args), nprocs=args.nproc)  # main(rank, nproc, args) in nproc processes
+            mp.spawn(main_then_leave, args=(args.nproc, args), nprocs=args.nproc)  # in nproc new processes
         except mp.ProcessExitedException as error:  # it printed why (a diverged loss, say): one line, no traceback
             sys.exit(f"error: {error}")

@@ -403,10 +403,6 @@ def main(args):
     checksum = sum(p.double().sum().item() for p in raw_model.parameters())  # equal on every rank, every node
     print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}\n", end="", flush=True)
     dist.destroy_process_group()
-    # Leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
-    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, exit -6)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
@@ -423,3 +419,7 @@ if __name__ == "__main__":
     else:
         check_inputs(args, world_size=int(os.environ["WORLD_SIZE"]))
         main(args)
+        # leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
+        # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, -6)
+        sys.stdout.flush()
+        os._exit(0)

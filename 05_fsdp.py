@@ -566,8 +566,7 @@ def main(args):
         if stop.item():
             log(f"stopped by a signal in epoch {epoch}, {done} samples in; the same command resumes from there")
             dist.destroy_process_group()
-            sys.stdout.flush()
-            os._exit(0)  # not a failure (torchrun must not spend a restart on it); no shutdown: see the end of main
+            sys.exit(0)  # not a failure: torchrun must not spend a restart on it
     writer = None
     if args.tensorboard and rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -619,10 +618,6 @@ def main(args):
                                                    "epoch": args.epochs, "args": vars(args)})
     print(f"[{socket.gethostname()}] rank {rank} done: parameter checksum {checksum!r}\n", end="", flush=True)
     dist.destroy_process_group()
-    # Leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
-    # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, exit -6)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
@@ -641,3 +636,7 @@ if __name__ == "__main__":
     else:
         check_inputs(args, world_size=int(os.environ["WORLD_SIZE"]))
         main(args)
+        # leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
+        # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, -6)
+        sys.stdout.flush()
+        os._exit(0)

@@ -420,8 +420,7 @@ def main(args):
             log(f"stopped after step {done}" + ("; the same command resumes from there" if args.checkpoint else ""))
             dist.barrier()  # lesson 08: leave together, as at the end of the run (below)
             dist.destroy_process_group()  # step 01
-            sys.stdout.flush()  # step 04
-            os._exit(0)  # step 04: not a failure (no restart spent on it); no shutdown: see the end of main
+            sys.exit(0)  # step 04: not a failure: torchrun must not spend a restart on it
     if rank == 0:  # step 01: one process samples
         log("sample:\n" + sample(raw_model, args, device))
     checksum = sum(p.double().sum().item() for p in raw_model.parameters())
@@ -431,10 +430,6 @@ def main(args):
           flush=True)  # one write per line: lines of different ranks never run into each other
     dist.barrier()  # lesson 08: leave together
     dist.destroy_process_group()  # step 01
-    # step 01: leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds
-    # the group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, -6)
-    sys.stdout.flush()  # step 01
-    os._exit(0)  # step 01
 
 
 if __name__ == "__main__":
@@ -442,3 +437,7 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:  # step 02: stop rather than train as a world of one
         sys.exit(f"{sys.argv[0]} must be started by torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     main(args)
+    # step 01: leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still
+    # holds the group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT)
+    sys.stdout.flush()  # step 01
+    os._exit(0)  # step 01

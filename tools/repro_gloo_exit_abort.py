@@ -2,8 +2,8 @@
 here (issue 34): `terminate called without an active exception`, SIGABRT, exit code -6, after a clean run.
 
     for i in $(seq 20); do torchrun --standalone --nproc_per_node=2 tools/repro_gloo_exit_abort.py; done 2>&1 |
-        grep -c "terminate called"                       # some aborts (3 in 49 runs here, torch 2.15.0)
-    ... tools/repro_gloo_exit_abort.py --leave-at-once   # the scripts' cure: none (0 in the stress runs)
+        grep -c "terminate called"                       # some aborts (3 in 24 runs here, torch 2.15.0)
+    ... tools/repro_gloo_exit_abort.py --leave-at-once   # what the scripts now do
 
 What happens (a native stack taken with gdb at the abort, torch 2.15.0, Python 3.11):
 - DDP keeps a reference to the gloo process group, so destroy_process_group() does not free it: its worker threads

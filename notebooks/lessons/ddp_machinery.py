@@ -222,7 +222,8 @@ def uneven_inputs(rank, world_size, use_join):
                            f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
     outcome = f"rank {rank}: finished its {3 - rank} steps after {time.monotonic() - began:.1f} s"
     if not use_join:
-        time.sleep(5)  # rank 1 goes on with its next work (validation, say); rank 0 still waits
+        time.sleep(9)  # rank 1 goes on with its next work (validation, say); rank 0 still waits (9 s: well past
+        # the group's 3 s timeout, so that rank 0's timeout comes first even on a machine several times slower)
         outcome += ", then went on to other work"
     return {"outcome": outcome, "weights": model.module.weight.detach().clone()}
 
