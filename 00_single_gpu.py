@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -66,7 +67,8 @@ def parse_args(argv=None):
     if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
         parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
     if args.evaluate and not os.path.isfile(args.evaluate):
-        parser.error(f"--evaluate {args.evaluate}: no such file")
+        parser.error(f"--evaluate {args.evaluate}: " + ("a folder, not a checkpoint file (of 05's snapshot folder PATH,"
+                     " give PATH.model.pt)" if os.path.isdir(args.evaluate) else "no such file"))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but PyTorch sees no GPU")
     return args
@@ -81,6 +83,13 @@ def check_inputs(args, world_size):
     num_classes, train_samples = 10, args.train_samples or 16_000  # the built-in data: any size, 10 classes
     if args.data == "cifar10":
         train_samples = min(50_000, args.train_samples or 50_000)
+        cifar = torchvision.datasets.CIFAR10  # its files and their MD5s: a damaged one is named now, not mid-run
+        files = [*cifar.train_list, *cifar.test_list, (cifar.meta["filename"], cifar.meta["md5"])]
+        damaged = [name for name, md5 in files if not args.download and not torchvision.datasets.utils.check_integrity(
+            os.path.join(args.data_dir, cifar.base_folder, name), md5)]
+        if damaged:
+            refuse(f"--data cifar10: {', '.join(damaged)} in {os.path.join(args.data_dir, cifar.base_folder)}: missing "
+                   "or damaged (not the MD5 CIFAR-10 publishes); add --download to fetch it again")
     elif args.data != "synthetic":  # an ImageFolder: train/ and val/, each with one folder of images per class
         images = {}
         for split in ("train", "val"):
@@ -164,11 +173,25 @@ def build_datasets(args):
     return train_set, val_set, len(train_set.classes)
 
 
+class UnreadableImage(Exception):
+    """An image that load_image could not read, and has named: batches_of() then stops the run."""
+
+
 def load_image(path):
     try:
         return torchvision.datasets.folder.default_loader(path)
     except OSError as error:  # a broken file found mid-training: name it, rather than a bare PIL traceback
-        sys.exit(f"error: unreadable image {path}: {error}")
+        # said by the process that read it: a DataLoader worker's exception reaches its parent as a traceback
+        print(f"error: unreadable image {path}: {error}; replace or remove it", file=sys.stderr, flush=True)
+        raise UnreadableImage(path) from None
+
+
+def batches_of(loader):
+    """The loader's batches, until an unreadable image (already named by load_image) stops this process."""
+    try:
+        yield from loader
+    except UnreadableImage:  # raised here, or in a DataLoader worker and raised again here
+        sys.exit(1)
 
 
 def build_model(name, num_classes):
@@ -219,7 +242,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     last_report = time.perf_counter()
-    for step, (images, labels) in enumerate(loader):
+    for step, (images, labels) in enumerate(batches_of(loader)):
         # pinned memory + non_blocking lets the copy to the GPU overlap with compute (a no-op on CPU)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         last_micro_step = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
@@ -252,7 +275,7 @@ def evaluate(model, loader, device, amp):
     """Returns (mean loss, accuracy) over every sample in `loader`."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
-    for images, labels in loader:
+    for images, labels in batches_of(loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast(device, amp):
             logits = model(images)
@@ -269,6 +292,21 @@ def autocast(device, enabled):
     return torch.autocast(device.type, dtype=dtype) if enabled else nullcontext()
 
 
+def read_checkpoint(path, device):
+    """torch.load of a file a user handed over. weights_only: a checkpoint is a pickle, and unpickling an untrusted
+    one could run arbitrary code. Quietly: a plain pickle gets a warning about its protocol, then a one-line refusal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location=device, weights_only=True)
+
+
+def describe(error):
+    """Why a file could not be used, in a few words: what the system said and the file's name, or the error's type."""
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.strerror}: {os.path.basename(error.filename)}"
+    return type(error).__name__
+
+
 def save_checkpoint(path, model, args, epoch, num_classes):
     checkpoint = {"model": model.state_dict(), "model_name": args.model, "num_classes": num_classes,
                   "epoch": epoch, "args": vars(args)}
@@ -280,17 +318,23 @@ def save_checkpoint(path, model, args, epoch, num_classes):
 def evaluate_checkpoint(args):
     """Loads a checkpoint written by any numbered script and evaluates it in this one process."""
     device = choose_device(args.device)
-    try:  # weights_only: a checkpoint is a pickle, and unpickling an untrusted one could run arbitrary code
-        checkpoint = torch.load(args.evaluate, map_location=device, weights_only=True)
+    try:  # a torch file of another kind (a plain state_dict, 05's train_state.pt, the port's snapshot) fails in here
+        checkpoint = read_checkpoint(args.evaluate, device)
         saved = argparse.Namespace(**{**checkpoint["args"], "train_samples": 1})  # its data, model, seed
+        model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
+        model.load_state_dict(checkpoint["model"])  # strict: every name and shape
+        epoch = checkpoint["epoch"]
     except Exception as error:  # not a torch file, or a torch file of something else
-        sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({type(error).__name__})")
-    _, val_set, _ = build_datasets(saved)
-    model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
-    model.load_state_dict(checkpoint["model"])
+        sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({describe(error)}); give a "
+                 "file that --checkpoint wrote (05: PATH.model.pt)")
+    try:
+        _, val_set, _ = build_datasets(saved)
+    except (OSError, RuntimeError) as error:  # its data moved or damaged since: torchvision's traceback, in one line
+        sys.exit(f"error: --evaluate {args.evaluate}: its --data {saved.data} is unreadable ({describe(error)}); put "
+                 "it back where it was when the checkpoint was written")
     loader = DataLoader(val_set, batch_size=args.batch_size, num_workers=args.num_workers)
     val_loss, val_accuracy = evaluate(model, loader, device, args.amp)
-    log(f"{args.evaluate} (epoch {checkpoint['epoch']}): val loss {val_loss:.4f}  val acc {val_accuracy:.2%}")
+    log(f"{args.evaluate} (epoch {epoch}): val loss {val_loss:.4f}  val acc {val_accuracy:.2%}")
     print(json.dumps({"checkpoint": args.evaluate, "val_loss": val_loss, "val_accuracy": val_accuracy}))
 
 

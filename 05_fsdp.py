@@ -95,7 +95,8 @@ def parse_args(argv=None):
     if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
         parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
     if args.evaluate and not os.path.isfile(args.evaluate):
-        parser.error(f"--evaluate {args.evaluate}: no such file")
+        parser.error(f"--evaluate {args.evaluate}: " + ("a folder, not a checkpoint file (of 05's snapshot folder PATH,"
+                     " give PATH.model.pt)" if os.path.isdir(args.evaluate) else "no such file"))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but PyTorch sees no GPU")
     return args
@@ -110,6 +111,13 @@ def check_inputs(args, world_size):
     num_classes, train_samples = 10, args.train_samples or 16_000  # the built-in data: any size, 10 classes
     if args.data == "cifar10":
         train_samples = min(50_000, args.train_samples or 50_000)
+        cifar = torchvision.datasets.CIFAR10  # its files and their MD5s: a damaged one is named now, not mid-run
+        files = [*cifar.train_list, *cifar.test_list, (cifar.meta["filename"], cifar.meta["md5"])]
+        damaged = [name for name, md5 in files if not args.download and not torchvision.datasets.utils.check_integrity(
+            os.path.join(args.data_dir, cifar.base_folder, name), md5)]
+        if damaged:
+            refuse(f"--data cifar10: {', '.join(damaged)} in {os.path.join(args.data_dir, cifar.base_folder)}: missing "
+                   "or damaged (not the MD5 CIFAR-10 publishes); add --download to fetch it again")
     elif args.data != "synthetic":  # an ImageFolder: train/ and val/, each with one folder of images per class
         images = {}
         for split in ("train", "val"):
@@ -195,11 +203,25 @@ def build_datasets(args):
     return train_set, val_set, len(train_set.classes)
 
 
+class UnreadableImage(Exception):
+    """An image that load_image could not read, and has named: batches_of() then stops the run."""
+
+
 def load_image(path):
     try:
         return torchvision.datasets.folder.default_loader(path)
     except OSError as error:  # a broken file found mid-training: name it, rather than a bare PIL traceback
-        sys.exit(f"error: unreadable image {path}: {error}")
+        # said by the process that read it: a DataLoader worker's exception reaches its parent as a traceback
+        print(f"error: unreadable image {path}: {error}; replace or remove it", file=sys.stderr, flush=True)
+        raise UnreadableImage(path) from None
+
+
+def batches_of(loader):
+    """The loader's batches, until an unreadable image (already named by load_image) stops this process."""
+    try:
+        yield from loader
+    except UnreadableImage:  # raised here, or in a DataLoader worker and raised again here
+        sys.exit(1)
 
 
 def build_model(name, num_classes):
@@ -253,7 +275,7 @@ def train_one_epoch(model, loader, optimizer, scaler, args, device, epoch, after
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
     last_report = time.perf_counter()
-    for step, (images, labels) in enumerate(loader):
+    for step, (images, labels) in enumerate(batches_of(loader)):
         # pinned memory + non_blocking lets the copy to the GPU overlap with compute (a no-op on CPU)
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         last_micro_step = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
@@ -298,7 +320,7 @@ def evaluate(model, loader, device, amp):
     if dist.is_initialized():  # every forward gathers each layer's weights from every rank: all must run as many
         dist.all_reduce(batches, op=dist.ReduceOp.MAX)  # forwards, so a rank whose shard ran out runs empty batches
     empty = (torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long))
-    for images, labels in chain(loader, [empty] * (int(batches) - len(loader))):
+    for images, labels in chain(batches_of(loader), [empty] * (int(batches) - len(loader))):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast(device, amp):
             logits = model(images)
@@ -315,6 +337,21 @@ def autocast(device, enabled):
     # bf16 needs no loss scaling; fp16 (CUDA) is faster on older GPUs and needs the GradScaler
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return torch.autocast(device.type, dtype=dtype) if enabled else nullcontext()
+
+
+def read_checkpoint(path, device):
+    """torch.load of a file a user handed over. weights_only: a checkpoint is a pickle, and unpickling an untrusted
+    one could run arbitrary code. Quietly: a plain pickle gets a warning about its protocol, then a one-line refusal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location=device, weights_only=True)
+
+
+def describe(error):
+    """Why a file could not be used, in a few words: what the system said and the file's name, or the error's type."""
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.strerror}: {os.path.basename(error.filename)}"
+    return type(error).__name__
 
 
 def save_checkpoint(path, checkpoint):
@@ -367,14 +404,18 @@ def load_snapshot(args, device, num_classes):
     small part here; each reads its own pieces of the weights once the model is sharded (DCP reads its index,
     .metadata, with plain pickle: resume only snapshots your own jobs wrote)."""
     candidates = [p for p in (args.checkpoint, args.checkpoint + ".prev") if os.path.exists(p)]
+    unusable = {}  # candidate: why it could not be read
     for candidate in candidates:
-        try:  # weights_only: a snapshot is a pickle, and unpickling an untrusted one could run arbitrary code
-            snapshot = torch.load(os.path.join(candidate, "train_state.pt"), map_location=device, weights_only=True)
+        try:
+            snapshot = read_checkpoint(os.path.join(candidate, "train_state.pt"), device)
+            for piece in dcp.FileSystemReader(candidate).read_metadata().storage_data.values():  # DCP's index
+                if os.path.getsize(os.path.join(candidate, piece.relative_path)) < piece.offset + piece.length:
+                    raise OSError(0, "cut short", piece.relative_path)  # every piece whole (missing: FileNotFoundError)
         except Exception as error:  # truncated by a crash, corrupted, or not a torch file at all
-            log(f"warning: snapshot {candidate} is unusable ({type(error).__name__}); trying the previous one")
+            unusable[candidate] = describe(error)
             continue
         if not isinstance(snapshot, dict) or "param_groups" not in snapshot or (
-                snapshot["model_name"], snapshot["num_classes"]) != (args.model, num_classes):
+                snapshot.get("model_name"), snapshot.get("num_classes")) != (args.model, num_classes):
             sys.exit(f"error: --checkpoint {candidate}: not a snapshot of --model {args.model} with {num_classes} "
                      "classes; give another path to start over")
         # a resume computes what the snapshot's run would have (on any world size): flags that change it are refused.
@@ -391,10 +432,14 @@ def load_snapshot(args, device, num_classes):
                      "snapshot's values, or give another --checkpoint path to start afresh"
                      + " (or, after a divergence, add --allow-new-lr)" * ("lr" in changed)
                      + f" (or keep --batch-size x processes = {global_batch})" * ("batch_size" in changed))
+        if unusable:  # the newest could not be read: the run goes on from the one before
+            log(f"warning: snapshot {args.checkpoint} is unusable ({unusable[args.checkpoint]}); resuming from "
+                f"{candidate}")
         # the rest (workers, paths, intervals, device...) follows this command
         return {**snapshot, "path": candidate}, list(changed.values())
-    if candidates:
-        sys.exit(f"error: no usable snapshot among {', '.join(candidates)}; move them away to start over")
+    if candidates:  # said by every rank: each read them (on one node, the same files)
+        sys.exit(f"error: --checkpoint {args.checkpoint}: no usable snapshot among " + ", ".join(
+            f"{path} ({why})" for path, why in unusable.items()) + "; move them away to start over")
     return None, []
 
 
@@ -426,17 +471,23 @@ def init_process_group_per_attempt(backend, timeout):
 def evaluate_checkpoint(args):
     """Loads a checkpoint written by any numbered script and evaluates it in this one process."""
     device = choose_device(args.device)
-    try:  # weights_only: a checkpoint is a pickle, and unpickling an untrusted one could run arbitrary code
-        checkpoint = torch.load(args.evaluate, map_location=device, weights_only=True)
+    try:  # a torch file of another kind (a plain state_dict, 05's train_state.pt, the port's snapshot) fails in here
+        checkpoint = read_checkpoint(args.evaluate, device)
         saved = argparse.Namespace(**{**checkpoint["args"], "train_samples": 1})  # its data, model, seed
+        model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
+        model.load_state_dict(checkpoint["model"])  # strict: every name and shape
+        epoch = checkpoint["epoch"]
     except Exception as error:  # not a torch file, or a torch file of something else
-        sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({type(error).__name__})")
-    _, val_set, _ = build_datasets(saved)
-    model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
-    model.load_state_dict(checkpoint["model"])
+        sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({describe(error)}); give a "
+                 "file that --checkpoint wrote (05: PATH.model.pt)")
+    try:
+        _, val_set, _ = build_datasets(saved)
+    except (OSError, RuntimeError) as error:  # its data moved or damaged since: torchvision's traceback, in one line
+        sys.exit(f"error: --evaluate {args.evaluate}: its --data {saved.data} is unreadable ({describe(error)}); put "
+                 "it back where it was when the checkpoint was written")
     loader = DataLoader(val_set, batch_size=args.batch_size, num_workers=args.num_workers)
     val_loss, val_accuracy = evaluate(model, loader, device, args.amp)
-    log(f"{args.evaluate} (epoch {checkpoint['epoch']}): val loss {val_loss:.4f}  val acc {val_accuracy:.2%}")
+    log(f"{args.evaluate} (epoch {epoch}): val loss {val_loss:.4f}  val acc {val_accuracy:.2%}")
     print(json.dumps({"checkpoint": args.evaluate, "val_loss": val_loss, "val_accuracy": val_accuracy}))
 
 
@@ -509,7 +560,10 @@ def main(args):
     if snapshot:
         # each rank reads the parts of the saved tensors its pieces need, whatever the world size that wrote them
         model_state, optimizer_state = get_state_dict(raw_model, optimizer)  # views of this rank's pieces, to fill
-        dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=snapshot["path"])
+        try:  # a piece damaged inside: DCP gathers every rank's read errors, so all ranks stop here together
+            dcp.load({"model": model_state, "optimizer": optimizer_state["state"]}, checkpoint_id=snapshot["path"])
+        except (Exception, dcp.CheckpointException) as error:  # (the latter a BaseException)
+            sys.exit(f"error: --checkpoint {snapshot['path']}: a piece is unreadable ({describe(error)}); move it away")
         set_state_dict(raw_model, optimizer, model_state_dict=model_state,  # and the learning rates (param_groups)
                        optim_state_dict={"state": optimizer_state["state"], "param_groups": snapshot["param_groups"]})
         scheduler.load_state_dict(snapshot["scheduler"])

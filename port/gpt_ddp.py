@@ -17,6 +17,7 @@ import signal  # step 04
 import sys
 import threading  # step 04
 import time
+import warnings
 from contextlib import nullcontext
 from datetime import timedelta  # step 01
 from functools import lru_cache
@@ -80,7 +81,8 @@ def parse_args(argv=None):
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if not os.path.isfile(args.data):
-        parser.error(f"--data {args.data}: no such file")
+        parser.error(f"--data {args.data}: " + ("a folder, not a text file" if os.path.isdir(args.data) else
+                                                "no such file"))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but PyTorch sees no GPU")
     # native bf16 only: the default, including_emulation=True, also accepts GPUs older than Ampere, which emulate
@@ -283,11 +285,13 @@ def load_checkpoint(args, device, digest):
     if not os.path.exists(args.checkpoint):
         return None
     try:  # weights_only: a snapshot is a pickle, and unpickling an untrusted one could run arbitrary code
-        snapshot = torch.load(args.checkpoint, map_location=device, weights_only=True)
-        saved = snapshot["args"]
-    except Exception as error:  # truncated, corrupted, or not a torch file at all
-        fail(f"--checkpoint {args.checkpoint}: unreadable ({type(error).__name__}); move it away to start over",
-             everyone=False)  # lesson 08: this rank's copy alone may be unreadable
+        with warnings.catch_warnings():  # quietly: a plain pickle warns of its protocol before it is refused below
+            warnings.simplefilter("ignore")
+            snapshot = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        saved, _ = snapshot["args"], snapshot["data_sha256"]  # (another script's checkpoint lacks one or both)
+    except Exception as error:  # truncated, corrupted, not a torch file at all, or not this script's
+        fail(f"--checkpoint {args.checkpoint}: unreadable, or not a snapshot of this script ({type(error).__name__}); "
+             "move it away to start over", everyone=False)  # lesson 08: this rank's copy alone may be unreadable
     changed = [f"--{name.replace('_', '-')} {getattr(args, name)} (snapshot: {saved.get(name)})"
                for name in SAME_ON_RESUME if saved.get(name) != getattr(args, name) and name != "data"]
     if snapshot["data_sha256"] != digest:

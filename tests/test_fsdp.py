@@ -16,9 +16,9 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import PYTHON, TORCHRUN, clean_env, read_metrics, run
+from helpers import PYTHON, TORCHRUN, clean_env, load_script, read_metrics, run
 from test_fault_tolerance import checksums, launch, wait, wait_for_new_snapshot
-from test_refused_input import refusal
+from test_refused_input import assert_said_once, refusal, snapshot_of
 
 pytestmark = pytest.mark.faults
 
@@ -184,3 +184,81 @@ def test_the_snapshot_is_sharded_each_rank_writing_its_own_piece(reference):
     sizes = [os.path.getsize(snapshot / name) for name in ("__0_0.distcp", "__1_0.distcp")]
     model_bytes = sum(t.numel() * 4 for t in whole_model(snapshot).values())
     assert all(0.9 * model_bytes < size < 1.1 * model_bytes for size in sizes), "half the weights and momentum each"
+
+
+def cut_short(path, size=1000):
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def zeroed(path):
+    """The same size, every byte 0: damage only reading the piece finds."""
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+# name: (damage the copy of a snapshot folder, what 05 says after "error: --checkpoint FOLDER: ")
+DAMAGED_FOLDERS = {
+    "a piece missing": (lambda f: (f / "__1_0.distcp").unlink(), "no usable snapshot among {f} (No such file or "
+                        "directory: __1_0.distcp); move them away to start over"),
+    "a piece cut short": (lambda f: cut_short(f / "__0_0.distcp"), "no usable snapshot among {f} (cut short: "
+                          "__0_0.distcp)"),
+    "the index missing": (lambda f: (f / ".metadata").unlink(), "no usable snapshot among {f} (No such file or "
+                          "directory: .metadata)"),
+    "the index damaged": (lambda f: (f / ".metadata").write_bytes(b"not a pickle"), "no usable snapshot among {f} ("),
+    "train_state.pt missing": (lambda f: (f / "train_state.pt").unlink(), "no usable snapshot among {f} (No such file "
+                               "or directory: train_state.pt)"),
+    "train_state.pt cut short": (lambda f: cut_short(f / "train_state.pt"), "no usable snapshot among {f} ("),
+    "train_state.pt empty": (lambda f: (f / "train_state.pt").write_bytes(b""), "no usable snapshot among {f} "
+                             "(EOFError)"),
+    "train_state.pt of another kind (04's snapshot)": (
+        lambda f: torch.save({"model": {}, "optimizer": {}, "model_name": "wide-256", "num_classes": 10},
+                             f / "train_state.pt"), "not a snapshot of --model wide-256 with 10 classes"),
+    "an empty folder": (lambda f: [path.unlink() for path in f.iterdir()], "no usable snapshot among {f} (No such "
+                        "file or directory: train_state.pt)"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_FOLDERS)
+def test_a_damaged_snapshot_folder_is_refused_in_one_line_and_left_as_it_was(reference, tmp_path, case):
+    """In-process: 05's own load_snapshot, which every rank runs before the model is sharded, on a copy of the
+    reference snapshot damaged one way. A piece missing or cut short, or the index unreadable, is found here, before
+    DCP reads any piece (DCP would say so in a traceback on every rank, after its own multi-line warnings)."""
+    damage, message = DAMAGED_FOLDERS[case]
+    folder = tmp_path / "snapshot"
+    shutil.copytree(reference[2], folder)
+    damage(folder)
+    before, module = snapshot_of(tmp_path), load_script(SCRIPT)
+    args = module.parse_args([*TRAIN, "--batch-size", str(GLOBAL_BATCH // 2), "--checkpoint", str(folder)])
+    with pytest.raises(SystemExit) as stop:
+        module.load_snapshot(args, "cpu", 10)
+    assert stop.value.code.startswith(f"error: --checkpoint {folder}: " + message.replace("{f}", str(folder)))
+    assert "\n" not in stop.value.code and snapshot_of(tmp_path) == before
+
+
+def test_a_damaged_snapshot_folder_falls_back_to_the_previous_with_a_warning(reference, tmp_path, capsys):
+    folder = tmp_path / "snapshot"
+    shutil.copytree(reference[2], tmp_path / "snapshot.prev")
+    shutil.copytree(reference[2], folder)
+    (folder / "__1_0.distcp").unlink()
+    module = load_script(SCRIPT)
+    args = module.parse_args([*TRAIN, "--batch-size", str(GLOBAL_BATCH // 2), "--checkpoint", str(folder)])
+    snapshot, _ = module.load_snapshot(args, "cpu", 10)
+    assert snapshot["path"] == f"{folder}.prev"
+    assert capsys.readouterr().out == (f"warning: snapshot {folder} is unusable (No such file or directory: "
+                                       f"__1_0.distcp); resuming from {folder}.prev\n")
+
+
+def test_a_damaged_piece_is_refused_under_torchrun_on_every_rank_and_nothing_is_written(reference, tmp_path):
+    """Two launches on 2 ranks: a piece missing (found before DCP reads), and a piece of the right size whose bytes
+    are damaged (found by DCP's read, which gathers every rank's error: both ranks stop together, no hang). Each: one
+    line, no step, and the folder as it was, with nothing beside it (PATH.prev, PATH.tmp, PATH.model.pt)."""
+    for name, damage, said in (("missing", lambda f: (f / "__1_0.distcp").unlink(), "no usable snapshot among"),
+                               ("zeroed", lambda f: zeroed(f / "__1_0.distcp"), "a piece is unreadable")):
+        folder = tmp_path / name / "snapshot"
+        shutil.copytree(reference[2], folder)
+        damage(folder)
+        before = snapshot_of(tmp_path / name)
+        result = run(command(2, folder), timeout=120, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+        assert_said_once(result, f"error: --checkpoint {folder}: {said}")
+        assert "epoch 1/" not in result.stdout and "epoch 2/" not in result.stdout
+        assert snapshot_of(tmp_path / name) == before and sorted(p.name for p in (tmp_path / name).iterdir()) == [
+            "snapshot"]

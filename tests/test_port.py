@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 from helpers import PYTHON, REPO, clean_env, load_script, read_metrics, run, run_group, run_ok, torchrun
+from test_refused_input import PORT_SNAPSHOT, assert_said_once, checkpoint_of, cut, pickled, saved, snapshot_of
 
 SINGLE, PORTED = "port/gpt_single.py", "port/gpt_ddp.py"
 TINY = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--lr", "1e-2",
@@ -236,7 +237,8 @@ def test_refused_flags_say_why_in_one_line(capsys, text):
     for script in (SINGLE, PORTED):
         for flags, said in ((["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
                             (["--lr", "nan"], "--lr"), (["--steps", "0"], "--steps must be at least 1"),
-                            (["--data", "missing.txt"], "--data missing.txt: no such file")):
+                            (["--data", "missing.txt"], "--data missing.txt: no such file"),
+                            (["--data", str(REPO / "port")], f"--data {REPO / 'port'}: a folder, not a text file")):
             with pytest.raises(SystemExit):
                 load_script(script).parse_args(flags)
             assert said in capsys.readouterr().err.splitlines()[-1]
@@ -251,6 +253,42 @@ def test_a_text_too_short_for_one_global_batch_or_empty_is_refused_in_one_line(t
     module = load_script(script)
     with pytest.raises(SystemExit, match=f"^error: --data {short}: {size} bytes are too few[^\n]*$"):
         module.load_text(module.parse_args(["--data", str(short)]), processes=2)
+
+
+# name: (make the file --checkpoint names, the error's type the one line gives)
+DAMAGED_CHECKPOINTS = {
+    "empty file": (saved("gpt.pt", b""), "EOFError"),
+    "snapshot cut short": (cut("gpt.pt", lambda: PORT_SNAPSHOT), "RuntimeError"),
+    "text file": (saved("gpt.pt", b"not a snapshot\n"), "UnpicklingError"),
+    "plain pickle": (pickled("gpt.pt"), "UnpicklingError"),
+    "plain state_dict": (saved("gpt.pt", {"token.weight": torch.zeros(256, 32)}), "KeyError"),
+    "04's snapshot": (saved("gpt.pt", lambda: checkpoint_of(optimizer={})), "KeyError"),
+    "a folder": (lambda root: (root / "gpt.pt").mkdir() or root / "gpt.pt", "IsADirectoryError"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_CHECKPOINTS)
+def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_and_left_as_it_was(text, tmp_path, case, capsys):
+    """In-process, the single-device script's load_checkpoint (gpt_ddp.py's, on 2 ranks: the launch below)."""
+    make, why = DAMAGED_CHECKPOINTS[case]
+    path, single = make(tmp_path), load_script(SINGLE)
+    before = snapshot_of(tmp_path)
+    said = (f"error: --checkpoint {path}: unreadable, or not a snapshot of this script ({why}); move it away to start "
+            "over")
+    with pytest.raises(SystemExit, match=f"^{re.escape(said)}$"):
+        single.load_checkpoint(single.parse_args(["--data", str(text), "--checkpoint", str(path)]), "cpu", "0" * 64)
+    assert capsys.readouterr().err == "" and snapshot_of(tmp_path) == before
+
+
+@pytest.mark.launch
+def test_the_ported_script_refuses_another_scripts_snapshot_on_every_rank_and_leaves_it(text, tmp_path):
+    """Step 04's snapshot given to the port: each rank reads it and says so in the same one line (it was a KeyError
+    traceback on each), before any step, and the file is as it was."""
+    path = saved("gpt.pt", lambda: checkpoint_of(optimizer={}))(tmp_path)
+    before = snapshot_of(tmp_path)
+    result = run(torchrun(2, PORTED, *TINY, "--data", text, *PORTED_BATCH, "--checkpoint", path), timeout=90)
+    assert_said_once(result, f"error: --checkpoint {path}: unreadable, or not a snapshot of this script (KeyError)")
+    assert "step 1/" not in result.stdout and snapshot_of(tmp_path) == before
 
 
 def test_bf16_autocast_trains_on_the_cpu(text, tmp_path, capsys):

@@ -6,12 +6,14 @@ Each case runs in-process through the script's own checks (parse_args, then chec
 a few real launches then prove the exit code, the single line and that a refused run writes nothing."""
 import contextlib
 import io
+import pickle
 import re
 
 import pytest
 import torch
 from helpers import PYTHON, SCRIPTS, TORCHRUN, clean_env, load_script, run, torchrun
 from PIL import Image
+from torch.utils.data import DataLoader
 
 
 def image_folder(root, train=("class0", "class1"), val=("class0", "class1"), empty=()):
@@ -30,6 +32,13 @@ def not_a_checkpoint(root):
 
 
 def no_files(root):
+    return root
+
+
+def damaged_cifar10(root):
+    """A CIFAR-10 folder as an interrupted copy leaves it: the first batch cut short, the others missing."""
+    (root / "cifar-10-batches-py").mkdir()
+    (root / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"\x80\x02}q\x00" * 100)
     return root
 
 
@@ -67,6 +76,12 @@ REFUSED = {
     "checkpoint path that is a folder": (no_files, ["--checkpoint", "{tmp}"], 1, "not a file in a folder that exists"),
     "metrics in a folder that does not exist": (no_files, ["--metrics", "{tmp}/no/metrics.jsonl"], 1, "--metrics"),
     "evaluate a file that does not exist": (no_files, ["--evaluate", "{tmp}/nope.pt"], 1, "nope.pt: no such file"),
+    "evaluate a folder (05's snapshot)": (no_files, ["--evaluate", "{tmp}"], 1, "a folder, not a checkpoint file (of "
+                                          "05's snapshot folder PATH, give PATH.model.pt)"),
+    "cifar10 with damaged files": (damaged_cifar10, ["--data", "cifar10", "--data-dir", "{tmp}"], 1,
+                                   "data_batch_1, data_batch_2, data_batch_3, data_batch_4, data_batch_5, test_batch, "
+                                   "batches.meta in {tmp}/cifar-10-batches-py: missing or damaged (not the MD5 "
+                                   "CIFAR-10 publishes); add --download to fetch it again"),
 }
 
 
@@ -90,14 +105,148 @@ def test_refused_in_one_line_naming_the_input(case, script, tmp_path):
         pytest.skip("05's snapshot is a folder (tests/test_fsdp.py: it refuses a file)")
     make, flags, world_size, message = REFUSED[case]
     path = make(tmp_path)
+    before = snapshot_of(tmp_path)
     said = refusal(script, [flag.replace("{tmp}", str(path)) for flag in flags], world_size)
     assert said is not None, f"{script} accepted {flags}"
-    assert message in said and len(said.strip().splitlines()) == 1, said
+    assert message.replace("{tmp}", str(path)) in said and len(said.strip().splitlines()) == 1, said
+    assert snapshot_of(tmp_path) == before, "a refusal changed the user's files"
+
+
+def snapshot_of(folder):
+    """Every file under folder and its bytes: what a refusal must leave as it was."""
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_documented_defaults_are_accepted(script):
     assert refusal(script, [], 2) is None
+
+
+# --- damaged, empty and foreign files handed to a script: one line naming the file, nothing changed ------------
+
+def checkpoint_of(model_name="cnn", data="synthetic", **extra):
+    """A checkpoint as 00-03's --checkpoint writes it (the cnn's weights, the default flags), changed by `extra`."""
+    module = load_script("00_single_gpu.py")
+    args = {**vars(module.parse_args([])), "data": data}
+    return {"model": module.build_model("cnn", 10).state_dict(), "model_name": model_name, "num_classes": 10,
+            "epoch": 1, "args": args, **extra}
+
+
+def saved(name, content):
+    """A maker of the file `name` in a test's folder: bytes as they are, anything else through torch.save."""
+    def make(root):
+        if isinstance(content, bytes):
+            (root / name).write_bytes(content)
+        else:
+            torch.save(content() if callable(content) else content, root / name)
+        return root / name
+    return make
+
+
+def pickled(name):
+    """A maker of a plain pickle (protocol 4, not a torch file): torch.load warns of its protocol, then refuses it."""
+    def make(root):
+        with open(root / name, "wb") as f:
+            pickle.dump({"model": {}}, f, protocol=4)
+        return root / name
+    return make
+
+
+def cut(name, content, keep=0.5):
+    """A maker of a torch file cut short, as an interrupted copy leaves it."""
+    def make(root):
+        torch.save(content(), root / name)
+        whole = (root / name).read_bytes()
+        (root / name).write_bytes(whole[:int(len(whole) * keep)])
+        return root / name
+    return make
+
+
+PORT_SNAPSHOT = {"model": {}, "optimizer": {}, "scheduler": {}, "step": 3, "position": 96, "data_sha256": "0" * 64,
+                 "args": {"data": "text.txt", "seed": 0, "steps": 10}, "world_size": 2}
+# 05's train_state.pt: the snapshot folder's small part, without the weights (they are in the pieces)
+TRAIN_STATE = {"param_groups": [], "model_name": "cnn", "num_classes": 10, "epoch": 1, "samples_done": 0,
+               "args": {"data": "synthetic"}, "world_size": 2}
+# name: (make the file in a fresh folder, what --evaluate says of it after "error: --evaluate PATH: ")
+DAMAGED_FOR_EVALUATE = {
+    "empty file": (saved("empty.pt", b""), "not a checkpoint of these scripts (EOFError); give a file that "
+                   "--checkpoint wrote (05: PATH.model.pt)"),
+    "checkpoint cut short": (cut("cut.pt", checkpoint_of), "not a checkpoint of these scripts ("),
+    "text file": (saved("notes.txt", b"not a checkpoint\n"), "not a checkpoint of these scripts ("),
+    "plain pickle (no torch file)": (pickled("p.pkl"), "not a checkpoint of these scripts (UnpicklingError)"),
+    "plain state_dict": (saved("weights.pt", lambda: load_script("00_single_gpu.py").build_model("cnn", 10)
+                               .state_dict()), "not a checkpoint of these scripts (KeyError)"),
+    "05's train_state.pt": (saved("train_state.pt", TRAIN_STATE), "not a checkpoint of these scripts (KeyError)"),
+    "the port's snapshot": (saved("gpt.pt", PORT_SNAPSHOT), "not a checkpoint of these scripts (KeyError)"),
+    "weights of another model": (saved("other.pt", lambda: checkpoint_of("resnet18")),
+                                 "not a checkpoint of these scripts (RuntimeError)"),
+    "checkpoint whose data folder is gone": (lambda root: saved("moved.pt", checkpoint_of(data=str(root / "gone")))(
+        root), "its --data {tmp}/gone is unreadable (No such file or directory: train); put it back where it was"),
+}
+
+
+def evaluation(script, path):
+    """What the script's --evaluate says of `path`, in-process: everything it printed, and its exit."""
+    module, output = load_script(script), io.StringIO()
+    with contextlib.redirect_stderr(output), contextlib.redirect_stdout(output), pytest.raises(SystemExit) as stop:
+        module.evaluate_checkpoint(module.parse_args(["--evaluate", str(path)]))
+    assert stop.value.code not in (0, None)
+    return output.getvalue() + (stop.value.code if isinstance(stop.value.code, str) else "")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("case", DAMAGED_FOR_EVALUATE)
+def test_evaluate_refuses_a_damaged_or_foreign_file_in_one_line_and_leaves_it(case, script, tmp_path):
+    make, message = DAMAGED_FOR_EVALUATE[case]
+    path = make(tmp_path)
+    before = snapshot_of(tmp_path)
+    said = evaluation(script, path)
+    expected = f"error: --evaluate {path}: " + message.replace("{tmp}", str(tmp_path))
+    assert said.startswith(expected) and len(said.strip().splitlines()) == 1, said
+    assert snapshot_of(tmp_path) == before
+
+
+# name: (make the file, what 04 says after "error: --checkpoint PATH: "); the snapshot it would resume from
+DAMAGED_FOR_04 = {
+    "empty file": (saved("s.pt", b""), "no usable snapshot among {path} (EOFError); move them away to start over"),
+    "snapshot cut short": (cut("s.pt", lambda: checkpoint_of(optimizer={})), "no usable snapshot among {path} ("),
+    "text file": (saved("s.pt", b"not a snapshot\n"), "no usable snapshot among {path} ("),
+    "plain pickle": (pickled("s.pt"), "no usable snapshot among {path} (UnpicklingError)"),
+    "folder at PATH.prev": (lambda root: (root / "s.pt.prev").mkdir() or root / "s.pt",
+                            "no usable snapshot among {path}.prev (Is a directory: s.pt.prev)"),
+    "plain state_dict": (saved("s.pt", lambda: load_script("00_single_gpu.py").build_model("cnn", 10).state_dict()),
+                         "not a snapshot of --model cnn with 10 classes; give another path to start over"),
+    "00-03's checkpoint": (saved("s.pt", checkpoint_of), "not a snapshot of --model cnn with 10 classes"),
+    "the port's snapshot": (saved("s.pt", PORT_SNAPSHOT), "not a snapshot of --model cnn with 10 classes"),
+    "05's train_state.pt": (saved("s.pt", TRAIN_STATE), "not a snapshot of --model cnn with 10 classes"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_FOR_04)
+def test_04_refuses_a_damaged_or_foreign_snapshot_in_one_line_and_leaves_it(case, tmp_path):
+    """In-process: 04's own load_snapshot, which every rank runs before any step (tests/test_fsdp.py: 05's)."""
+    make, message = DAMAGED_FOR_04[case]
+    path, module = make(tmp_path), load_script("04_fault_tolerant.py")
+    before, output = snapshot_of(tmp_path), io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), pytest.raises(SystemExit) as stop:
+        module.load_snapshot(module.parse_args(["--checkpoint", str(path)]), "cpu", 10)
+    assert stop.value.code.startswith(f"error: --checkpoint {path}: " + message.replace("{path}", str(path)))
+    assert "\n" not in stop.value.code and output.getvalue() == "", "one line, and no warning before it"
+    assert snapshot_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_unreadable_image_stops_the_loop_in_one_line(script, tmp_path):
+    """In-process, no loader workers: load_image names the file, batches_of stops (launched with workers: below)."""
+    module, broken = load_script(script), image_folder(tmp_path) / "train" / "class1" / "broken.png"
+    broken.write_bytes(b"not a PNG")
+    train_set, _, _ = module.build_datasets(module.parse_args(["--data", str(tmp_path)]))
+    output = io.StringIO()
+    with contextlib.redirect_stderr(output), pytest.raises(SystemExit) as stop:
+        list(module.batches_of(DataLoader(train_set, batch_size=2)))
+    assert stop.value.code == 1
+    assert output.getvalue().startswith(f"error: unreadable image {broken}: ") and output.getvalue().count("\n") == 1
+    assert output.getvalue().endswith("; replace or remove it\n") and broken.read_bytes() == b"not a PNG"
 
 
 # --- real launches: the exit code, the single line, and nothing written ---------------------------------------
@@ -155,16 +304,39 @@ def test_04_refuses_a_checkpoint_folder_that_does_not_exist_before_training(tmp_
     assert "epoch 1/" not in result.stdout and "saved snapshot" not in result.stdout
 
 
+def assert_said_once(result, start):
+    """A non-zero exit and one error line, starting with `start` (each rank that read the file may say it: the same
+    line), and no traceback through the script."""
+    assert result.returncode != 0
+    errors = {line for line in result.stdout.splitlines() if line.startswith("error:")}
+    assert len(errors) == 1 and errors.pop().startswith(start), result.stdout[-3000:]
+    assert not re.search(r'(\d\d_\w+|gpt_\w+)\.py", line', result.stdout), "a traceback through the script"
+
+
 @pytest.mark.launch
 def test_an_unreadable_image_found_during_training_is_named(tmp_path):
+    """A PNG cut short, read by a DataLoader worker (--num-workers 2): the worker names it, and the main process
+    stops on the exception it gets from the worker, in no traceback of DataLoader's."""
     image_folder(tmp_path / "images")
+    whole = (tmp_path / "images" / "train" / "class1" / "0.png").read_bytes()
     broken = tmp_path / "images" / "train" / "class1" / "broken.png"
-    broken.write_bytes(b"not a PNG")
-    result = run([PYTHON, "00_single_gpu.py", "--data", tmp_path / "images", "--batch-size", "2", "--epochs", "1"],
-                 timeout=60)
-    assert result.returncode != 0
-    assert f"error: unreadable image {broken}" in result.stdout, result.stdout[-2000:]
-    assert "Traceback" not in result.stdout
+    broken.write_bytes(whole[:len(whole) // 2])
+    before = snapshot_of(tmp_path)
+    result = run([PYTHON, "00_single_gpu.py", "--data", tmp_path / "images", "--batch-size", "2", "--epochs", "1",
+                  "--num-workers", "2"], timeout=60)
+    assert_said_once(result, f"error: unreadable image {broken}: ")
+    assert "Traceback" not in result.stdout and snapshot_of(tmp_path) == before
+
+
+@pytest.mark.launch
+def test_04_refuses_a_damaged_snapshot_on_every_rank_before_any_step_and_leaves_it(tmp_path):
+    """2 ranks each read a snapshot cut short: one line (from each), no step, no hang, and nothing written over it
+    or beside it (PATH.prev, PATH.tmp). In-process, every other damage: test_04_refuses_a_damaged_or_foreign_..."""
+    snapshot = cut("s.pt", lambda: checkpoint_of(optimizer={}))(tmp_path)
+    before = snapshot_of(tmp_path)
+    result = run(torchrun(2, "04_fault_tolerant.py", "--train-samples", "256", "--checkpoint", snapshot), timeout=90)
+    assert_said_once(result, f"error: --checkpoint {snapshot}: no usable snapshot among {snapshot} (")
+    assert "epoch 1/" not in result.stdout and snapshot_of(tmp_path) == before
 
 
 @pytest.mark.launch
