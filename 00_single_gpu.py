@@ -324,6 +324,8 @@ def evaluate_checkpoint(args):
         model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
         model.load_state_dict(checkpoint["model"])  # strict: every name and shape
         epoch = checkpoint["epoch"]
+    except torch.cuda.OutOfMemoryError:  # a checkpoint of these scripts, too big for this GPU
+        sys.exit(f"error: --evaluate {args.evaluate}: does not fit --device {args.device}; try --device cpu")
     except Exception as error:  # not a torch file, or a torch file of something else
         sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({describe(error)}); give a "
                  "file that --checkpoint wrote (05: PATH.model.pt)")

@@ -344,6 +344,8 @@ def evaluate_checkpoint(args):
         model = build_model(checkpoint["model_name"], checkpoint["num_classes"]).to(device)
         model.load_state_dict(checkpoint["model"])  # strict: every name and shape
         epoch = checkpoint["epoch"]
+    except torch.cuda.OutOfMemoryError:  # a checkpoint of these scripts, too big for this GPU
+        sys.exit(f"error: --evaluate {args.evaluate}: does not fit --device {args.device}; try --device cpu")
     except Exception as error:  # not a torch file, or a torch file of something else
         sys.exit(f"error: --evaluate {args.evaluate}: not a checkpoint of these scripts ({describe(error)}); give a "
                  "file that --checkpoint wrote (05: PATH.model.pt)")
@@ -463,7 +465,7 @@ if __name__ == "__main__":
     else:
         check_inputs(args, world_size=int(os.environ["WORLD_SIZE"]))
         main(args)
-        # leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still holds the
-        # group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT, -6)
+        # leave without Python's shutdown: once DDP or FSDP2 has used gloo's group, destroy_process_group leaves its
+        # threads running, and one still freeing a collective's tensors as Python shuts down aborts the process (-6)
         sys.stdout.flush()
         os._exit(0)

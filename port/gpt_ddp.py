@@ -441,7 +441,7 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:  # step 02: stop rather than train as a world of one
         sys.exit(f"{sys.argv[0]} must be started by torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
     main(args)
-    # step 01: leave without Python's shutdown: gloo's threads can outlive destroy_process_group (the model still
-    # holds the group), and one still freeing a collective's tensors as Python shuts down aborts the process (SIGABRT)
+    # step 01: leave without Python's shutdown: once DDP has used gloo's group, destroy_process_group leaves its
+    # threads running, and one still freeing a collective's tensors as Python shuts down aborts the process (-6)
     sys.stdout.flush()  # step 01
     os._exit(0)  # step 01

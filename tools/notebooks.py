@@ -40,11 +40,11 @@ def source(name):
 
 def source_hash(name):
     """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, the
-    helpers it imports from notebooks/lessons/, and the files of benchmarks/ and port/ its code cells name
+    helpers it imports from notebooks/lessons/, and the files of benchmarks/, port/ and tools/ its code cells name
     (programs, published figures). Any of them changing makes the committed outputs stale."""
     code = "\n".join(cell.source for cell in jupytext.read(source(name)).cells if cell.cell_type == "code")
     digest = hashlib.sha256(source(name).read_bytes())
-    named = [path for folder in ("benchmarks", "port") for path in sorted((REPO / folder).glob("*.*"))
+    named = [path for folder in ("benchmarks", "port", "tools") for path in sorted((REPO / folder).glob("*.*"))
              if f"{folder}/{path.name}" in code]
     imported = {"runs"} | {name.strip() for line in re.findall(r"^from lessons import ([\w, ]+)", code, re.M)
                            for name in line.split(",")}  # runs: the others import it

@@ -1,13 +1,15 @@
-"""A minimal reproduction, with torch alone, of the abort at exit that ended about one in thirty of the port's stops
-here (issue 34): `terminate called without an active exception`, SIGABRT, exit code -6, after a clean run.
+"""A minimal reproduction, with torch alone, of the abort at exit that ended some runs of the port here after they
+had gone well (1 of 30 runs, 1 of its 15 stops: tools/stress_exits_before.md; issue 34): `terminate called without an active exception`, SIGABRT, exit code -6, after a clean run.
 
-    for i in $(seq 20); do torchrun --standalone --nproc_per_node=2 tools/repro_gloo_exit_abort.py; done 2>&1 |
+    for i in $(seq 24); do torchrun --standalone --nproc_per_node=2 tools/repro_gloo_exit_abort.py; done 2>&1 |
         grep -c "terminate called"                       # some aborts (3 in 24 runs here, torch 2.15.0)
     ... tools/repro_gloo_exit_abort.py --leave-at-once   # what the scripts now do
 
 What happens (a native stack taken with gdb at the abort, torch 2.15.0, Python 3.11):
-- DDP keeps a reference to the gloo process group, so destroy_process_group() does not free it: its worker threads
-  (`pt_gloo_runloop`) live on. Without DDP, destroy_process_group frees the group and joins them.
+- Once DDP (or FSDP2) has used the gloo process group, destroy_process_group() no longer frees it: its worker
+  threads (`pt_gloo_runloop`) run until the process ends, even after the DDP object is gone and gc has run
+  (which object keeps the group was not found). After plain collectives only, destroy_process_group frees the
+  group and joins its threads (all measured).
 - A worker thread releases a finished all_reduce (`~AsyncAllreduceWork`) a moment after the main thread has seen it
   complete. Its tensors have Python objects, so the release takes the GIL (`TensorImpl::decref_pyobject`).
 - If the main thread has meanwhile reached the end of the program, Python is shutting down (`Py_FinalizeEx`), and a

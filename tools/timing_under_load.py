@@ -1,0 +1,65 @@
+"""Runs the lessons' timing-sensitive experiments many times while two busy-loop processes load both cores, and
+checks each time that what the prose says still happened (issue 34, item 6). Not a test: a few minutes.
+
+    .venv/bin/python tools/timing_under_load.py            # 10 rounds
+    .venv/bin/python tools/timing_under_load.py --rounds 3
+
+Each experiment is a rank that goes on with other work while the other rank waits in a collective; the
+collective's timeout must end the wait first, whatever the load:
+- lesson 01, mistake 3: rank 0 all-reduces alone (timeout 3 s), rank 1 works 9 s;
+- lesson 05, uneven inputs without Join: rank 0's third backward waits (timeout 3 s), rank 1 works 9 s;
+- lesson 07, the NaN seen by one rank: rank 0's backward waits (timeout 3 s), rank 1 works 3 + 6 s.
+"""
+import argparse
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+
+
+def busy():
+    while True:
+        pass
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    from lessons import ddp_concepts, ddp_machinery, diagnosis, runs
+
+    loaders = [multiprocessing.Process(target=busy, daemon=True) for _ in range(2)]
+    for loader in loaders:
+        loader.start()
+    group, failures, began = runs.Processes(2), [], time.monotonic()
+    try:
+        for round_ in range(1, args.rounds + 1):
+            rank0, rank1 = group.run(ddp_concepts.collective_on_rank_0_only, collective_timeout=3)
+            lesson01 = "RuntimeError" in rank0 and "never called" in rank1
+            no_join = [result["outcome"] for result in group.run(ddp_machinery.uneven_inputs, False,
+                                                                  collective_timeout=3)]
+            lesson05 = "rank 0, step 3" in no_join[0] and "RuntimeError" in no_join[0] and "finished" in no_join[1]
+            (step0, lines0), (step1, lines1) = group.run(diagnosis.nan_loss_check, False, 3 + 6,
+                                                         collective_timeout=3, timeout=60)
+            lesson07 = step0 == 3 and any("backward() failed" in line for line in lines0) and \
+                any("done with" in line for line in lines1)
+            print(f"round {round_} ({time.monotonic() - began:.0f} s): lesson 01 {'ok' if lesson01 else 'FAILED'}, "
+                  f"05 {'ok' if lesson05 else 'FAILED'}, 07 {'ok' if lesson07 else 'FAILED'}", flush=True)
+            for name, ok, said in (("01", lesson01, [rank0, rank1]), ("05", lesson05, no_join),
+                                   ("07", lesson07, [lines0, lines1])):
+                if not ok:
+                    failures.append((round_, name, said))
+    finally:
+        group.close()
+        for loader in loaders:
+            loader.kill()
+    for round_, name, said in failures:
+        print(f"round {round_}, lesson {name}:", *said, sep="\n  ")
+    print(f"{len(failures)} failures in {args.rounds} rounds of 3 experiments, with both cores busy")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
