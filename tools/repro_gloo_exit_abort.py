@@ -1,5 +1,6 @@
 """A minimal reproduction, with torch alone, of the abort at exit that ended some runs of the port here after they
-had gone well (1 of 30 runs, 1 of its 15 stops: tools/stress_exits_before.md; issue 34): `terminate called without an active exception`, SIGABRT, exit code -6, after a clean run.
+had gone well (1 of 30 runs, 1 of its 15 stops: tools/stress_exits_before.md; issue 34): `terminate called
+without an active exception`, SIGABRT, exit code -6, after a clean run.
 
     for i in $(seq 24); do torchrun --standalone --nproc_per_node=2 tools/repro_gloo_exit_abort.py; done 2>&1 |
         grep -c "terminate called"                       # some aborts (3 in 24 runs here, torch 2.15.0)

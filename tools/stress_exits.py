@@ -6,12 +6,12 @@ runs here: tools/stress_exits_before.md). Not a test: it takes about half an hou
     .venv/bin/python tools/stress_exits.py --port 10 --each 2  # a quick look
     ATEN_CPU_CAPABILITY=avx2 .venv/bin/python tools/stress_exits.py ...   # another CPU kernel set
 
-Each run is a short training of 2 processes. 01-03 run to their end; 04, 05 and the port end two ways,
-alternately (half of their runs each): by themselves, and stopped by SIGTERM sent to every worker once the first snapshot exists (what Slurm's signal becomes), which must
-also exit 0. A run counts as unclean when its launcher exits non-zero, when any process printed "terminate
-called" (a C++ abort), or when it was still running after 180 s. The targets are interleaved, so a slow spell of
-this shared machine falls on all of them alike. It writes tools/stress_exits.md (the counts and each unclean
-run's last lines) unless --out says otherwise.
+Each run is a short training of 2 processes. 01-03 run to their end; 04, 05 and the port end two ways, alternately
+(half of their runs each): by themselves, and stopped by SIGTERM sent to every worker once the first snapshot exists
+(what Slurm's signal becomes), which must also exit 0. A run counts as unclean when its launcher exits non-zero,
+when any process printed "terminate called" (a C++ abort), or when it was still running after 180 s. The targets are
+interleaved, so a slow spell of this shared machine falls on all of them alike. It writes tools/stress_exits.md (the
+counts and each unclean run's last lines) unless --out says otherwise.
 """
 import argparse
 import os
