@@ -505,8 +505,8 @@ def main(args):
         scheduler.load_state_dict(snapshot["scheduler"])
         scaler.load_state_dict(snapshot["scaler"])
         torch.set_rng_state(snapshot["rng"]["torch"].cpu())
-        # the writer's node may have had more GPUs than this one: restore as many as there are (not run: no GPU here)
-        torch.cuda.set_rng_state_all([state.cpu() for state in snapshot["rng"]["cuda"]][:torch.cuda.device_count()])
+        if device.type == "cuda" and snapshot["rng"]["cuda"] is not None:  # rank 0's GPU state (not run: no GPU)
+            torch.cuda.set_rng_state(snapshot["rng"]["cuda"].cpu(), device)  # on each rank's own: all draw alike
         random.setstate(snapshot["rng"]["python"])
         if args.lr != snapshot["args"]["lr"]:  # --allow-new-lr: the schedule goes on from its place, scaled
             for group in optimizer.param_groups:
@@ -533,11 +533,15 @@ def main(args):
         return {"model": raw_model.state_dict(), "model_name": args.model, "num_classes": num_classes,
                 "optimizer": optimizer.state_dict(),  # momentum: without it the next steps would differ
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),  # the LR's place; fp16's scale
-                "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
-                        "python": random.getstate()},  # dropout's draws, and augmentation's without workers
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),  # dropout's draws, and
+                        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},  # augmentation's
                 "epoch": epochs_done, "samples_done": samples_done,  # where in the data, to resume mid-epoch
                 "args": vars(args), "world_size": world_size}
 
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(args.tensorboard)
     # Slurm sends SIGTERM (or SIGUSR1, with --signal) before it kills a job; torchrun forwards TERM (and USR1 if
     # --signals-to-handle lists it)
     stop_requested = threading.Event()
@@ -552,12 +556,10 @@ def main(args):
             save_checkpoint(args.checkpoint, make_snapshot(epoch - 1, done))
         if stop.item():
             log(f"stopped by a signal in epoch {epoch}, {done} samples in; the same command resumes from there")
+            if writer:
+                writer.close()  # what it holds reaches its file: the process leaves by os._exit, no clean-up
             dist.destroy_process_group()
             sys.exit(0)  # not a failure: torchrun must not spend a restart on it
-    writer = None
-    if args.tensorboard and rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(args.tensorboard)
 
     log(f"{args.model} on {device}: {len(train_set)} train / {len(val_set)} val samples, "
         f"batch {args.batch_size}, {torch.get_num_threads()} CPU threads per process")

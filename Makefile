@@ -4,23 +4,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 OLDEST := .venv-oldest
-OLDEST_FSDP := .venv-oldest-fsdp
 # One process per GPU when there are GPUs, else 2 CPU processes.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 2)
 # A quick subset of the tests: nothing that starts processes.
 QUICK := not launch and not multiproc and not multihost and not faults and not slurm and not notebooks
 # On the oldest torch: the tests that launch the numbered scripts (each trains; 04 killed and resumed; the
-# preemption path) and the sbatch files on the local Slurm cluster (root; skipped without it).
-# (The jobs run the torch of the pytest that submits them: tests/helpers.py, slurm_env.)
-FSDP_SLURM_TEST := tests/test_slurm.py::test_05_on_two_nodes_is_preempted_requeued_and_resumes_from_its_sharded_snapshot
-OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_slurm.py --deselect $(FSDP_SLURM_TEST)
-# Step 05 (FSDP2 on CPU) needs a later torch than the others: its oldest has a venv of its own.
-OLDEST_FSDP_TESTS := tests/test_fsdp.py $(FSDP_SLURM_TEST)
+# preemption path; 05 sharded, resharded and resumed) and the sbatch files on the local Slurm cluster (root;
+# skipped without it). (The jobs run the torch of the pytest that submits them: tests/helpers.py, slurm_env.)
+OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_fsdp.py tests/test_slurm.py
+# `make test` runs the tests in this many processes (pytest-xdist; tests/conftest.py says which share one).
+JOBS ?= 2
 
 # One target at a time, even under make -j: the test targets share the local Slurm cluster and the machine's cores.
 .NOTPARALLEL:
 
-.PHONY: setup demo test test-quick test-root test-oldest test-oldest-ddp test-oldest-fsdp lock diffs lint clean
+.PHONY: setup demo test test-quick test-root test-oldest lock diffs lint clean
 
 setup: $(VENV)/.installed
 
@@ -34,7 +32,7 @@ demo: setup
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) 02_torchrun.py
 
 test: setup
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(JOBS)
 
 test-quick: setup
 	$(BIN)/pytest -m "$(QUICK)"
@@ -49,28 +47,14 @@ $(OLDEST)/.installed: requirements-oldest.txt
 	$(OLDEST)/bin/pip install --disable-pip-version-check --no-cache-dir -r requirements-oldest.txt
 	touch $@
 
-$(OLDEST_FSDP)/.installed: requirements-oldest-fsdp.txt
-	$(PYTHON) -m venv $(OLDEST_FSDP)
-	$(OLDEST_FSDP)/bin/pip install --disable-pip-version-check --no-cache-dir -r requirements-oldest-fsdp.txt
-	touch $@
-
-# Each venv is built just before its tests run, so that a machine short of disk can delete the first before the
-# second is built (as CI does: docs/ci.md).
-test-oldest: test-oldest-ddp test-oldest-fsdp
-
-test-oldest-ddp: $(OLDEST)/.installed
+test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/pytest $(OLDEST_TESTS)
-
-test-oldest-fsdp: $(OLDEST_FSDP)/.installed
-	$(OLDEST_FSDP)/bin/pytest $(OLDEST_FSDP_TESTS)
 
 # Regenerates both locks from their .in files (a maintainer's step: docs/versions.md, "Moving the pin").
 lock: setup
 	$(BIN)/pip install --disable-pip-version-check --quiet uv
 	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements.in -o requirements.txt
 	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements-oldest.in -o requirements-oldest.txt
-	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 requirements-oldest-fsdp.in \
-		-o requirements-oldest-fsdp.txt
 
 diffs: setup
 	$(BIN)/python tools/make_diffs.py
@@ -79,4 +63,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(OLDEST_FSDP) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache

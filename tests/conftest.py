@@ -71,10 +71,45 @@ def cluster():
 ROOT_FIXTURES = {"two_hosts", "cluster"}
 
 
+SLOW = ("launch", "multiproc", "multihost", "faults", "slurm", "notebooks")  # the markers of tests that start processes
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
+        if item.get_closest_marker("root") and unit_of(item.nodeid) != "root":
+            raise pytest.UsageError(f"{item.nodeid} needs root: add its file to ROOT_FILES in tests/conftest.py")
+    # the tests that start no process last: under `make test`, they fill the end while the other process finishes
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in SLOW))
+
+
+# `make test` runs the tests in 2 processes (pytest-xdist), in units: a unit runs in one process, in order. Each
+# test file is a unit, so that a fixture serving a whole file runs once; each notebook is one, so that the
+# notebooks share both processes; and the files with root tests are one unit together, as they share one Slurm
+# cluster and the fixed names of the network-namespace hosts. (Marks and `--dist loadgroup` would say this, but
+# under pytest 9.2 that groups nothing: pytest-dev/pytest-xdist#1386.)
+ROOT_FILES = {"test_multinode.py", "test_preflight.py", "test_slurm.py"}
+ROOT_TESTS = {"tests/test_notebooks.py::test_notebook_runs_from_a_clean_kernel[06_making_ddp_fast]"}
+SPREAD_FILES = {"test_notebooks.py"}
+
+
+def unit_of(nodeid):
+    file = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    if file in ROOT_FILES or nodeid in ROOT_TESTS:
+        return "root"
+    return nodeid if file in SPREAD_FILES else file
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: called only under `pytest -n N`
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return unit_of(nodeid)
+
+    return ByUnit(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -181,6 +181,25 @@ def test_a_preemption_signal_saves_a_snapshot_and_a_rerun_resumes(reference, tmp
     assert_same_as_reference(reference, output, snapshot)
 
 
+def test_a_stop_by_a_signal_keeps_the_tensorboard_scalars_of_the_epochs_done(tmp_path):
+    """The stop leaves by os._exit, which runs no clean-up: the writer is closed before (what its thread has not
+    written yet would be lost), and the file holds every finished epoch's scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    agent, log = launch(tmp_path, "run", command(tmp_path / "snapshot.pt", 0, "--epochs", "3", "--tensorboard", board))
+    deadline = time.monotonic() + 120
+    while "epoch 1/3" not in log.read_text():  # then stop in a later epoch
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(agent.pid, signal.SIGTERM)
+    code, output = wait(agent, log)
+    stopped = re.search(r"stopped by a signal in epoch (\d+)", output)
+    assert stopped, output[-3000:]
+    steps = [event.step for event in EventAccumulator(str(board)).Reload().Scalars("val_loss")]
+    assert steps == list(range(1, int(stopped.group(1)))), "every finished epoch's scalars, on disk"
+
+
 def test_ten_restarts_in_a_row_without_a_hang(reference, tmp_path):
     """torchrun's shared rendezvous store (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the script's per-attempt
     prefix is what keeps each restart clean. A worker is killed after every new snapshot, ten times."""

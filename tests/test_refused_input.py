@@ -235,18 +235,19 @@ def test_04_refuses_a_damaged_or_foreign_snapshot_in_one_line_and_leaves_it(case
     assert snapshot_of(tmp_path) == before
 
 
+@pytest.mark.parametrize("content", [b"not a PNG", b""], ids=["not an image", "empty"])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_an_unreadable_image_stops_the_loop_in_one_line(script, tmp_path):
+def test_an_unreadable_image_stops_the_loop_in_one_line(script, content, tmp_path):
     """In-process, no loader workers: load_image names the file, batches_of stops (launched with workers: below)."""
     module, broken = load_script(script), image_folder(tmp_path) / "train" / "class1" / "broken.png"
-    broken.write_bytes(b"not a PNG")
+    broken.write_bytes(content)
     train_set, _, _ = module.build_datasets(module.parse_args(["--data", str(tmp_path)]))
     output = io.StringIO()
     with contextlib.redirect_stderr(output), pytest.raises(SystemExit) as stop:
         list(module.batches_of(DataLoader(train_set, batch_size=2)))
     assert stop.value.code == 1
     assert output.getvalue().startswith(f"error: unreadable image {broken}: ") and output.getvalue().count("\n") == 1
-    assert output.getvalue().endswith("; replace or remove it\n") and broken.read_bytes() == b"not a PNG"
+    assert output.getvalue().endswith("; replace or remove it\n") and broken.read_bytes() == content
 
 
 # --- real launches: the exit code, the single line, and nothing written ---------------------------------------

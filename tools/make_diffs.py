@@ -20,9 +20,10 @@ BUDGET = {  # lines added by each step
     # mp.spawn runs: main, then an exit without Python's shutdown (gloo's threads outlive the group: SIGABRT) 8
     "02_torchrun.py": 30,
     "03_multinode.py": 40,
-    "04_fault_tolerant.py": 184,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
+    "04_fault_tolerant.py": 186,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
     # snapshot) 24, loader workers seeded per rank and epoch 4, a GPU RNG restore on a node with fewer GPUs 1, damaged
-    # snapshots named with what is wrong in the one refusal line, the fallback's warning once it has worked 5
+    # snapshots named with what is wrong in the one refusal line, the fallback's warning once it has worked 5,
+    # TensorBoard's writer closed on a stop by a signal 2
     "05_fsdp.py": 120,  # FSDP2 for DDP 15, sharded snapshots (DCP) and the whole-model file 50, the rest: every rank
     # runs as many forwards (evaluate), a resume that keeps the global batch on another world size, an old gloo refused;
     # 120: a snapshot's index and pieces checked before a resume reads them 3, a piece damaged inside refused in one

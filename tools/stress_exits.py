@@ -116,7 +116,8 @@ def main():
              "| script | how it ended | runs | not clean |", "|---|---|---|---|"]
     lines += [f"| `{script}` | {ended} | {runs} | {bad} |" for (script, ended), (runs, bad) in sorted(counts.items())]
     total = sum(bad for _, bad in counts.values())
-    lines += ["", f"**{total} unclean exits in {len(plan)} runs.** (ran: ended by itself; stopped: SIGTERM to every "
+    exits = "exit" if total == 1 else "exits"
+    lines += ["", f"**{total} unclean {exits} in {len(plan)} runs.** (ran: ended by itself; stopped: SIGTERM to every "
               "worker after the first snapshot, a clean stop that must exit 0.)"]
     for script, ended, code, tail in unclean:
         lines += ["", f"## {script}, {ended}: exit {code}", "", "```", tail, "```"]
