@@ -18,7 +18,7 @@ JOBS ?= 2
 # One target at a time, even under make -j: the test targets share the local Slurm cluster and the machine's cores.
 .NOTPARALLEL:
 
-.PHONY: setup demo test test-quick test-root test-oldest lock diffs lint clean
+.PHONY: setup demo test test-quick test-root test-gpu test-oldest lock diffs lint clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,13 @@ test-quick: setup
 # live shaped link. Run as root: sudo -E make test-root
 test-root: setup
 	$(BIN)/pytest -m root
+
+# The GPU check (tools/gpu_check.py, docs/tests.md): the `gpu` tests and the GPU benchmark, run with the Python
+# given (a GPU machine's own: no venv, nothing installed), a log and a JSON report written into OUT. Without CUDA
+# every test skips, saying why, and it exits 0 (CI runs it so): make test-gpu PYTHON=.venv/bin/python
+OUT ?= gpu-check
+test-gpu:
+	$(PYTHON) tools/gpu_check.py --out $(OUT)
 
 $(OLDEST)/.installed: requirements-oldest.txt
 	$(PYTHON) -m venv $(OLDEST)

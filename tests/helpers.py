@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -11,8 +12,12 @@ import time
 from functools import cache
 from pathlib import Path
 
-import psutil
 import pytest
+
+try:
+    import psutil
+except ImportError:  # the GPU check runs on a machine's own Python, which may lack it (tools/gpu_check.py)
+    psutil = None
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -83,31 +88,41 @@ def stacks(pid):
     """Where each process of a hung command is, for its test's failure: every thread's stack, Python and native,
     in the process and its descendants, from py-spy (in every venv's lock) where this user may read them."""
     spy = Path(sys.executable).with_name("py-spy")
-    try:
-        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return ""
     if not spy.exists():
         return f"(no py-spy beside {sys.executable}: no stacks)"
     dumps = ["the stacks at the timeout (py-spy dump):"]
-    for member in family:
-        with contextlib.suppress(psutil.NoSuchProcess, subprocess.TimeoutExpired):
-            dump = subprocess.run([spy, "dump", "--native", "--pid", str(member.pid)], capture_output=True, text=True,
+    for member in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            dump = subprocess.run([spy, "dump", "--native", "--pid", str(member)], capture_output=True, text=True,
                                   timeout=30)  # --native: the C frames too (a hang inside fork() has no Python ones)
-            dumps.append(f"{' '.join(member.cmdline())[:160]}\n{dump.stdout or dump.stderr}")
+            command = Path(f"/proc/{member}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            dumps.append(f"{command[:160]}\n{dump.stdout or dump.stderr}")
     return "\n".join(dumps)[-20000:]
+
+
+def descendants(pid):
+    """A process's children, their children...: from psutil, or from /proc where the Python lacks psutil."""
+    if psutil:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        return []
+    children = {}
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        found.append(queue.pop(0))
+        queue += children.get(found[-1], [])
+    return found
 
 
 def kill_tree(pid):
     """SIGKILL to a process and all its descendants: torchrun puts its workers in sessions of their own."""
-    try:
-        parent = psutil.Process(pid)
-        family = [*parent.children(recursive=True), parent]
-    except psutil.NoSuchProcess:
-        return
-    for process in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    for member in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def run_ok(command, timeout=180, env=None):

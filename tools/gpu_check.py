@@ -1,0 +1,105 @@
+"""The GPU check: every test marked `gpu` (tests/test_gpu.py) and the GPU benchmark, run with the Python this
+script is started with (a GPU machine's own: no venv, nothing installed, nothing downloaded), then one report.
+
+    make test-gpu PYTHON=/usr/bin/python3 OUT=gpu-check      # or: python3 tools/gpu_check.py --out gpu-check
+
+It writes into OUT (few files, so that a machine lent for minutes hands them all back):
+- log.txt: everything pytest and the benchmark printed;
+- report.json: the machine (Python, torch, CUDA, GPUs), each test's outcome, time and message, what the tests
+  found out (tests/test_gpu.py's findings: a warning seen or not, a difference measured), the benchmark's figures;
+- junit.xml: pytest's own record.
+On a machine without CUDA every test skips, saying so, the benchmark is skipped, and it exits 0: CI runs it there
+to prove the plumbing (docs/ci.md); the GPU half has still run nowhere until a GPU machine runs it.
+
+What it should take on one H100 (16 cores), budgeted to stay under 8 minutes: the tests about 4 minutes (about
+20 launches of a few seconds each, `--compile` the longest at about a minute), the benchmark about 2.
+It needs torch and pytest; torchvision for the numbered scripts; not psutil, py-spy, pytest-timeout or pytest-xdist.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS_SECONDS = 420  # pytest is stopped here; with the benchmark's limit, the whole check stays under 8 minutes
+BENCHMARK_SECONDS = 150
+BENCHMARK = REPO / "benchmarks" / "gpu_throughput.py"
+
+
+def machine():
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    return {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None}
+
+
+def run(command, seconds, log, env=None):
+    """Runs a command with its output appended to the log; stops it at `seconds`. Returns (exit status, seconds)."""
+    began = time.monotonic()
+    log.write(f"\n$ {' '.join(map(str, command))}\n")
+    log.flush()
+    try:
+        status = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=seconds,
+                                env=env).returncode
+    except subprocess.TimeoutExpired:
+        log.write(f"\nstopped after {seconds} s\n")
+        status = "timed out"
+    return status, round(time.monotonic() - began, 1)
+
+
+def outcomes(junit):
+    """Each test's outcome, seconds and message, from pytest's junit file."""
+    if not junit.exists():
+        return []
+    tests = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        verdict = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        tests.append({"test": case.get("name"), "outcome": "passed" if verdict is None else verdict.tag,
+                      "seconds": float(case.get("time", 0)),
+                      "message": None if verdict is None else (verdict.get("message") or "")[:2000]})
+    return tests
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for log.txt, report.json, junit.xml")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    findings = args.out / "findings.jsonl"
+    findings.unlink(missing_ok=True)
+    report = {"machine": machine(), "began": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    print(f"GPU check on {report['machine']}", flush=True)
+    env = {**os.environ, "DDP_STEPS_GPU_FINDINGS": str(findings.resolve())}
+    with open(args.out / "log.txt", "w") as log:
+        status, seconds = run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-rA", "-v",
+                               "-p", "no:cacheprovider", f"--junitxml={(args.out / 'junit.xml').resolve()}"],
+                              TESTS_SECONDS, log, env)
+        report["tests"] = {"exit": status, "seconds": seconds, "each": outcomes(args.out / "junit.xml")}
+        if report["machine"]["gpus"] and BENCHMARK.exists():
+            benchmark = args.out / "benchmark.json"
+            status, seconds = run([sys.executable, BENCHMARK, "--out", benchmark.resolve()], BENCHMARK_SECONDS, log)
+            report["benchmark"] = {"exit": status, "seconds": seconds,
+                                   "figures": json.loads(benchmark.read_text()) if benchmark.exists() else None}
+        else:
+            report["benchmark"] = {"skipped": "no GPU" if not report["machine"]["gpus"] else f"no {BENCHMARK.name}"}
+    report["findings"] = [json.loads(line) for line in findings.read_text().splitlines()] if findings.exists() else []
+    findings.unlink(missing_ok=True)  # in the report now: fewer files to hand back
+    (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    counts = {}
+    for test in report["tests"]["each"]:
+        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
+    print(f"tests: {counts} in {report['tests']['seconds']} s (exit {report['tests']['exit']}); "
+          f"benchmark: {report['benchmark']}; report: {args.out / 'report.json'}")
+    failed = report["tests"]["exit"] != 0 or report["benchmark"].get("exit", 0) != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
