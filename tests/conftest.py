@@ -15,6 +15,12 @@ from helpers import (
     torchrun,
 )
 
+# OpenMP's idle threads sleep instead of spinning while they wait, in this process and every one a test starts:
+# under `make test` both cores are busy, and a spinning thread takes a core from another test's processes (a
+# 2-thread run of 00 beside one busy loop: 40 % less CPU, a quarter less time; docs/tests.md). Only the scheduling
+# of waiting threads changes, not what they compute.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Each script's documented command (the README's ladder table), which the tests run with TINY settings.
 DOCUMENTED = {
     "00_single_gpu.py": [PYTHON, "00_single_gpu.py"],
