@@ -86,7 +86,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.root)
         if item.get_closest_marker("root") and unit_of(item.nodeid) != "root":
             raise pytest.UsageError(f"{item.nodeid} needs root: add its file to ROOT_FILES in tests/conftest.py")
-    # the tests that start no process last: under `make test`, they fill the end while the other process finishes
+    # the tests that start no process last: under `make test` (which keeps this order: --no-loadscope-reorder),
+    # they fill the end while the other process finishes
     items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in SLOW))
 
 
@@ -109,6 +110,8 @@ def unit_of(nodeid):
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: called only under `pytest -n N`
 def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile"):
+        return None  # another --dist asked for by name: xdist's own
     from xdist.scheduler import LoadScopeScheduling
 
     class ByUnit(LoadScopeScheduling):

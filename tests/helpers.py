@@ -119,8 +119,9 @@ def descendants(pid):
 
 
 def kill_tree(pid):
-    """SIGKILL to a process and all its descendants: torchrun puts its workers in sessions of their own."""
-    for member in [*descendants(pid), pid]:
+    """SIGKILL to a process and all its descendants: torchrun puts its workers in sessions of their own. The
+    process first, so that a launcher cannot start new workers once its present ones are gone."""
+    for member in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
 

@@ -65,7 +65,7 @@ def test_one_process_under_torchrun_trains_on_nccl(script, tmp_path):
 
 
 def test_compile_on_cuda():
-    output = ok(torchrun(1, "02_torchrun.py", "--device", "cuda", "--compile", *SMALL), timeout=400)
+    output = ok(torchrun(1, "02_torchrun.py", "--device", "cuda", "--compile", *SMALL), timeout=180)
     assert accuracies(output)[-1] > 50, output[-2000:]
 
 
@@ -96,7 +96,7 @@ def test_04_killed_and_resumed_on_cuda_ends_where_an_uninterrupted_run_ends(tmp_
              (tmp_path / "reference.pt", snapshot)]
     largest = max((a.double() - b.double()).abs().max().item()
                   for a, b in zip(final[0].values(), final[1].values(), strict=True))
-    finding("04 resumed on cuda", bitwise=ends[0] == ends[1], checksums=ends, largest_difference=largest)
+    finding("04 resumed on cuda", bitwise=largest == 0.0, checksums=ends, largest_difference=largest)
     assert largest < 1e-2, "the resumed run must end near the uninterrupted one"
 
 
@@ -153,8 +153,10 @@ def test_two_ranks_on_one_gpu_what_nccl_says(tmp_path):
     script = tmp_path / "shared.py"
     script.write_text(SHARED_GPU)
     result = run(torchrun(2, script), 120)
-    lines = [line for line in result.stdout.splitlines() if re.search(r"Error|error|Duplicate|duplicate", line)]
-    finding("two ranks, one GPU (NCCL)", exit=result.returncode, lines=lines[:10])
+    said = result.stdout.splitlines()
+    lines = [line for i, line in enumerate(said) if re.search(r"rror|uplicate|Multiple Ranks|GPU/Partition|NCCL", line)
+             or (i and "Last error" in said[i - 1])]
+    finding("two ranks, one GPU (NCCL)", exit=result.returncode, lines=lines[:30], tail=result.stdout[-3000:])
     if torch.cuda.device_count() == 1:
         result = run(torchrun(2, "02_torchrun.py", "--device", "cuda", *SMALL), 120)
         assert result.returncode != 0
@@ -174,7 +176,7 @@ def test_the_port_trains_on_cuda_in_bf16(tmp_path):
 
 
 DETERMINISTIC = """
-import os, torch
+import hashlib, torch
 torch.manual_seed(0)
 torch.backends.cudnn.benchmark = False
 torch.use_deterministic_algorithms(True)  # needs CUBLAS_WORKSPACE_CONFIG=:4096:8 for cuBLAS
@@ -187,15 +189,15 @@ for _ in range(20):
     optimizer.zero_grad()
     torch.nn.functional.cross_entropy(model(data), target).backward()
     optimizer.step()
-print("weights", torch.cat([p.detach().flatten() for p in model.parameters()]).double().sum().item(),
-      hash(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())))
+print("weights", hashlib.sha256(b"".join(bytes(p.detach().cpu().view(torch.uint8).untyped_storage())
+                                        for p in model.parameters())).hexdigest())
 """
 
 
 def test_two_runs_with_the_determinism_settings_give_bitwise_equal_weights(tmp_path):
     script = tmp_path / "deterministic.py"
     script.write_text(DETERMINISTIC)
-    env = clean_env(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONHASHSEED="0")
+    env = clean_env(CUBLAS_WORKSPACE_CONFIG=":4096:8")
     weights = [ok([PYTHON, script], 120, env).strip().splitlines()[-1] for _ in range(2)]
     finding("determinism", runs=weights)
     assert weights[0] == weights[1]

@@ -21,7 +21,7 @@ BUDGET = {  # lines added by each step
     "02_torchrun.py": 30,
     "03_multinode.py": 40,
     "04_fault_tolerant.py": 186,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
-    # snapshot) 24, loader workers seeded per rank and epoch 4, a GPU RNG restore on a node with fewer GPUs 1, damaged
+    # snapshot) 24, loader workers seeded per rank and epoch 4, rank 0's GPU RNG state set on each rank's GPU 1, damaged
     # snapshots named with what is wrong in the one refusal line, the fallback's warning once it has worked 5,
     # TensorBoard's writer closed on a stop by a signal 2
     "05_fsdp.py": 120,  # FSDP2 for DDP 15, sharded snapshots (DCP) and the whole-model file 50, the rest: every rank
