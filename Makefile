@@ -6,8 +6,6 @@ BIN := $(VENV)/bin
 OLDEST := .venv-oldest
 # One process per GPU when there are GPUs, else 2 CPU processes.
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 2)
-# A quick subset of the tests: nothing that starts processes.
-QUICK := not launch and not multiproc and not multihost and not faults and not slurm and not notebooks and not gpu
 # On the oldest torch: the tests that launch the numbered scripts (each trains; 04 killed and resumed; the
 # preemption path; 05 sharded, resharded and resumed) and the sbatch files on the local Slurm cluster (root;
 # skipped without it). (The jobs run the torch of the pytest that submits them: tests/helpers.py, slurm_env.)
@@ -37,8 +35,9 @@ demo: setup
 test: setup
 	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder
 
+# A quick subset of the tests: nothing that starts processes (the `quick` marker: tests/conftest.py).
 test-quick: setup
-	$(BIN)/pytest -m "$(QUICK)"
+	$(BIN)/pytest -m quick
 
 # What an ordinary user's `make test` skips: network-namespace hosts, the local Slurm cluster, notebook 06's
 # live shaped link. Run as root: sudo -E make test-root

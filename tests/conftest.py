@@ -17,8 +17,8 @@ from helpers import (
 
 # OpenMP's idle threads sleep instead of spinning while they wait, in this process and every one a test starts:
 # under `make test` both cores are busy, and a spinning thread takes a core from another test's processes (a
-# 2-thread run of 00 beside one busy loop: 40 % less CPU, a quarter less time; docs/tests.md). Only the scheduling
-# of waiting threads changes, not what they compute.
+# 2-thread run of 00 beside one busy loop: 40 to 43 % less CPU, 21 to 25 % less time; docs/tests.md). Only the
+# scheduling of waiting threads changes, not what they compute.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Each script's documented command (the README's ladder table), which the tests run with TINY settings.
@@ -77,7 +77,8 @@ def cluster():
 ROOT_FIXTURES = {"two_hosts", "cluster"}
 
 
-SLOW = ("launch", "multiproc", "multihost", "faults", "slurm", "notebooks")  # the markers of tests that start processes
+# The markers of the tests that start processes (or need a GPU); every other test gets `quick`: `make test-quick`
+STARTS_PROCESSES = ("launch", "multiproc", "multihost", "faults", "slurm", "notebooks", "gpu")
 
 
 def pytest_collection_modifyitems(items):
@@ -86,9 +87,11 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.root)
         if item.get_closest_marker("root") and unit_of(item.nodeid) != "root":
             raise pytest.UsageError(f"{item.nodeid} needs root: add its file to ROOT_FILES in tests/conftest.py")
-    # the tests that start no process last: under `make test` (which keeps this order: --no-loadscope-reorder),
-    # they fill the end while the other process finishes
-    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in SLOW))
+        if not any(item.get_closest_marker(name) for name in STARTS_PROCESSES):
+            item.add_marker(pytest.mark.quick)
+    # the quick tests last: under `make test` (which keeps this order: --no-loadscope-reorder), they fill the end
+    # while the other process finishes
+    items.sort(key=lambda item: item.get_closest_marker("quick") is not None)
 
 
 # `make test` runs the tests in 2 processes (pytest-xdist), in units: a unit runs in one process, in order. Each

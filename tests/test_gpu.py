@@ -58,7 +58,8 @@ def test_00_learns_on_cuda(amp):
 
 
 @pytest.mark.parametrize("script", ["02_torchrun.py", "04_fault_tolerant.py", "05_fsdp.py"])
-def test_one_process_under_torchrun_trains_on_nccl(script, tmp_path):
+def test_one_process_under_torchrun_trains_on_cuda(script, tmp_path):
+    """On NCCL: the scripts choose the backend with the device (nothing prints it; it is in their code)."""
     extra = ["--checkpoint", tmp_path / "snapshot"] if script != "02_torchrun.py" else []
     output = ok(torchrun(1, script, "--device", "cuda", *SMALL, *extra))
     assert " on cuda:0" in output and accuracies(output)[-1] > 50, output[-2000:]
