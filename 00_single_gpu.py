@@ -345,8 +345,12 @@ def main(args):
     device = choose_device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # faster fp32 on Ampere+
     train_set, val_set, num_classes = build_datasets(args)
+    # loader workers start from a fork server, a clean process started once, not by forking this one: this process
+    # runs other threads (torch's, gloo's, the loaders'), and one may hold a lock at the fork that the new worker
+    # then waits for forever (pytorch/pytorch#130610). Python 3.14 makes it the default on Linux
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                          pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0)
+                          pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
+                          multiprocessing_context="forkserver" if args.num_workers > 0 else None)
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_options)
     val_loader = DataLoader(val_set, **loader_options)
 

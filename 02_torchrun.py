@@ -380,8 +380,12 @@ def main(args):
     if rank == 0:
         time.sleep(float(os.environ.get("DATA_PREPARE_DELAY", 0)))  # lets the tests make the preparation slow
         dist.barrier(group=preparing)
+    # loader workers start from a fork server, a clean process started once, not by forking this one: this process
+    # runs other threads (torch's, gloo's, the loaders'), and one may hold a lock at the fork that the new worker
+    # then waits for forever (pytorch/pytorch#130610). Python 3.14 makes it the default on Linux
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                          pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0)
+                          pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
+                          multiprocessing_context="forkserver" if args.num_workers > 0 else None)
     # each process draws a disjoint 1/world_size of the shuffled data (equal shards, so equal step counts)
     train_sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, **loader_options)

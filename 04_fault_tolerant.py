@@ -18,6 +18,7 @@ on every node of every multi-node run: without it a run on more than one node is
 import argparse
 import json
 import math
+import multiprocessing.forkserver
 import os
 import random
 import re
@@ -478,8 +479,12 @@ def main(args):
         time.sleep(float(os.environ.get("DATA_PREPARE_DELAY", 0)))  # lets the tests make the preparation slow
         print(f"[{socket.gethostname()}] local rank 0 prepared the data for this node\n", end="", flush=True)
         dist.barrier(group=preparing)
+    # loader workers start from a fork server, a clean process started once, not by forking this one: this process
+    # runs other threads (torch's, gloo's, the loaders'), and one may hold a lock at the fork that the new worker
+    # then waits for forever (pytorch/pytorch#130610). Python 3.14 makes it the default on Linux
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                           pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
+                          multiprocessing_context="forkserver" if args.num_workers > 0 else None,
                           worker_init_fn=ignore_stop_signals)
     # not DistributedSampler: it pads shards to equal length by repeating samples, which would count twice
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
@@ -545,6 +550,10 @@ def main(args):
     # Slurm sends SIGTERM (or SIGUSR1, with --signal) before it kills a job; torchrun forwards TERM (and USR1 if
     # --signals-to-handle lists it)
     stop_requested = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    if args.num_workers > 0:  # the fork server, started now, inherits "ignore" and its workers too: see lesson 04
+        multiprocessing.forkserver.ensure_running()
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda *_: stop_requested.set())
 

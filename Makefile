@@ -9,10 +9,7 @@ NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" 
 # On the oldest torch: the tests that launch the numbered scripts (each trains; 04 killed and resumed; the
 # preemption path; 05 sharded, resharded and resumed) and the sbatch files on the local Slurm cluster (root;
 # skipped without it). (The jobs run the torch of the pytest that submits them: tests/helpers.py, slurm_env.)
-# Left out there: the loader-workers test, which hangs now and then on 2.9.1 (a worker stuck in fork(); not cured
-# yet: docs/versions.md). make test runs it on the pinned torch.
-OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_fsdp.py tests/test_slurm.py \
-	--deselect tests/test_fault_tolerance.py::test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_alike
+OLDEST_TESTS := tests/test_scripts_train.py tests/test_fault_tolerance.py tests/test_fsdp.py tests/test_slurm.py
 # `make test` runs the tests in this many processes (pytest-xdist; tests/conftest.py says which share one).
 JOBS ?= 2
 
@@ -39,7 +36,7 @@ test: setup
 test-quick: setup
 	$(BIN)/pytest -m quick
 
-# What an ordinary user's `make test` skips: network-namespace hosts, the local Slurm cluster, notebook 06's
+# What an ordinary user's `make test` skips: network-namespace hosts, the local Slurm cluster, notebook making_ddp_fast's
 # live shaped link. Run as root: sudo -E make test-root
 test-root: setup
 	$(BIN)/pytest -m root

@@ -3,7 +3,7 @@ end of the link (each host limits what it sends), measures the link, then DDP st
 how far each knob that changes the arithmetic lets the model learn. Rank 0 prints one JSON line per figure.
 
 The knobs (KNOBS) and the step (train_step) are imported by tests/test_knobs.py, which checks that every one
-of them trains correctly on 2 ranks, and by notebooks/06_making_ddp_fast.md.
+of them trains correctly on 2 ranks, and by notebooks/making_ddp_fast.md.
 """
 import argparse
 import contextlib

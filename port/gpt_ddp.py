@@ -200,23 +200,23 @@ def log(message):
 
 
 def fail(message, everyone=True):
-    # lesson 08: everyone: every rank calls it at once (on an all-reduced value, or one DDP keeps equal on all), none
-    # waits in a collective for a rank that has gone (lesson 07); else one rank fails alone and torchrun ends the rest
-    if dist.get_rank() == 0 or not everyone:  # lesson 08
-        print(f"error: {message}", file=sys.stderr, flush=True)  # lesson 08
-    if everyone:  # lesson 08
+    # port lesson: everyone: every rank calls it at once (on an all-reduced value, or one DDP keeps equal on all), none
+    # waits in a collective for a rank that has gone (when_it_breaks); else one rank fails alone, torchrun ends the rest
+    if dist.get_rank() == 0 or not everyone:  # port lesson
+        print(f"error: {message}", file=sys.stderr, flush=True)  # port lesson
+    if everyone:  # port lesson
         dist.barrier()  # step 01: rank 0 has said why before any rank exits
-        dist.destroy_process_group()  # lesson 08
-    sys.exit(1)  # lesson 08
+        dist.destroy_process_group()  # port lesson
+    sys.exit(1)  # port lesson
 
 
 def check_same_text(digest, path):
     """One text for all: a node holding another copy of --data would otherwise train on it without a word."""
-    digests = [None] * dist.get_world_size()  # lesson 08
-    dist.all_gather_object(digests, digest)  # lesson 08
-    if len(set(digests)) > 1:  # lesson 08
+    digests = [None] * dist.get_world_size()  # port lesson
+    dist.all_gather_object(digests, digest)  # port lesson
+    if len(set(digests)) > 1:  # port lesson
         fail(f"--data {path}: the ranks read different bytes (SHA-256 {', '.join(d[:12] for d in digests)} by "
-             "rank); give every node the same file")  # lesson 08
+             "rank); give every node the same file")  # port lesson
 
 
 def gather_uneven(values, total):
@@ -224,11 +224,11 @@ def gather_uneven(values, total):
     uneven sizes (torch's docstring says they are supported, naming no backend; NCCL's: not run here), so each shard
     is padded to the largest and the padding cut off again by the shard sizes every rank can compute.
     (DistributedSampler pads by repeating samples instead: gathered, those would count twice.)"""
-    world_size = dist.get_world_size()  # lesson 08
-    padded = torch.zeros(-(-total // world_size), device=values.device)  # lesson 08
-    padded[:len(values)] = values  # lesson 08
-    gathered = [torch.empty_like(padded) for _ in range(world_size)]  # lesson 08
-    dist.all_gather(gathered, padded)  # lesson 08
+    world_size = dist.get_world_size()  # port lesson
+    padded = torch.zeros(-(-total // world_size), device=values.device)  # port lesson
+    padded[:len(values)] = values  # port lesson
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]  # port lesson
+    dist.all_gather(gathered, padded)  # port lesson
     return torch.cat([shard[:len(range(rank, total, world_size))] for rank, shard in enumerate(gathered)])  # 08
 
 
@@ -250,7 +250,7 @@ def evaluate(model, tokens, args, device):
         window_losses.append(losses.view(targets.shape).mean(1))
     window_losses = torch.cat(window_losses)
     dist.all_reduce(totals)  # step 01: exact: sums of losses and of bytes, one division, not a mean of means
-    window_losses = gather_uneven(window_losses, total)  # lesson 08: a median is no sum: all values, once each
+    window_losses = gather_uneven(window_losses, total)  # port lesson: a median is no sum: all values, once each
     model.train()
     return (totals[0] / totals[1]).item(), window_losses.median().item()
 
@@ -291,14 +291,14 @@ def load_checkpoint(args, device, digest):
         saved, _ = snapshot["args"], snapshot["data_sha256"]  # (another script's checkpoint lacks one or both)
     except Exception as error:  # truncated, corrupted, not a torch file at all, or not this script's
         fail(f"--checkpoint {args.checkpoint}: unreadable, or not a snapshot of this script ({type(error).__name__}); "
-             "move it away to start over", everyone=False)  # lesson 08: this rank's copy alone may be unreadable
+             "move it away to start over", everyone=False)  # port lesson: this rank's copy alone may be unreadable
     changed = [f"--{name.replace('_', '-')} {getattr(args, name)} (snapshot: {saved.get(name)})"
                for name in SAME_ON_RESUME if saved.get(name) != getattr(args, name) and name != "data"]
     if snapshot["data_sha256"] != digest:
         changed.append(f"--data {args.data} holds other bytes than the snapshot's text")
     if changed:
         fail(f"--checkpoint {args.checkpoint}: a resume cannot change {', '.join(changed)}; repeat the snapshot's "
-             "values, or give another --checkpoint path to start afresh", everyone=False)  # lesson 08
+             "values, or give another --checkpoint path to start afresh", everyone=False)  # port lesson
     return snapshot
 
 
@@ -318,18 +318,18 @@ def main(args):
     # step 01: gloo on CPU, NCCL on GPU; a peer that never answers fails the collective after --timeout
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
     torch.set_float32_matmul_precision("high")  # for TF32 on Ampere+ GPUs (also sets oneDNN's CPU matmuls to tf32)
-    check_same_text(digest, args.data)  # lesson 08
+    check_same_text(digest, args.data)  # port lesson
     num_windows = len(train_tokens) - args.block_size
     torch.manual_seed(args.seed)  # the initial weights
     model = GPT(args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout).to(device)
     snapshot = load_checkpoint(args, device, digest) if args.checkpoint else None
-    # lesson 08: one place to resume from, on the world size that wrote it (a rank finding no snapshot would start
+    # port lesson: one place to resume from, on the world size that wrote it (a rank finding no snapshot would start
     # afresh while the others resume; another world size changes the global batch)
-    found = [None] * world_size  # lesson 08
+    found = [None] * world_size  # port lesson
     dist.all_gather_object(found, snapshot and (snapshot["step"], snapshot["position"], snapshot["world_size"]))  # 08
-    if len(set(found)) > 1 or (snapshot and snapshot["world_size"] != world_size):  # lesson 08
+    if len(set(found)) > 1 or (snapshot and snapshot["world_size"] != world_size):  # port lesson
         fail(f"--checkpoint {args.checkpoint}: (step, position, world size) of the snapshot by rank: {found}; "
-             f"resume on {world_size} processes, every rank reading the same snapshot")  # lesson 08
+             f"resume on {world_size} processes, every rank reading the same snapshot")  # port lesson
     if snapshot:
         model.load_state_dict(snapshot["model"])
     # step 01: DDP copies rank 0's weights to all now, and averages the gradients during backward()
@@ -355,9 +355,9 @@ def main(args):
     def make_snapshot(step):  # everything the next step depends on, not only the weights
         return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "step": step, "position": position,
-                "data_sha256": digest, "args": vars(args), "world_size": world_size}  # lesson 08
+                "data_sha256": digest, "args": vars(args), "world_size": world_size}  # port lesson
 
-    # lesson 08: the global batch grew with the world size; warm-up and decay count optimizer steps, so the same
+    # port lesson: the global batch grew with the world size; warm-up and decay count optimizer steps, so the same
     # --warmup-steps now spans world_size times the windows (and --lr is applied to a world_size times larger batch)
     global_batch = args.batch_size * args.grad_accum * world_size  # step 01
     log(f"GPT of {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters on {device}: "
@@ -371,7 +371,7 @@ def main(args):
             # each rank takes every world_size-th of the next batch_size * world_size: together, the single batch
             starts = window_starts(position, args.batch_size * world_size, num_windows, args.seed)[rank::world_size]
             inputs, targets = get_batch(train_tokens, starts, args.block_size, device)
-            torch.manual_seed(args.seed * 1_000_003 + position + rank)  # lesson 08: + rank: masks differ by rank
+            torch.manual_seed(args.seed * 1_000_003 + position + rank)  # port lesson: + rank: masks differ by rank
             position += args.batch_size * world_size  # step 04
             # step 01: no_sync skips the all-reduce on micro-batches before the last: it runs once, on the sum
             with (nullcontext() if micro_step == args.grad_accum - 1 else model.no_sync()), autocast(device, args.amp):
@@ -379,7 +379,7 @@ def main(args):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             (loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
             step_loss += loss.detach() / args.grad_accum
-        if os.environ.get("NAN_LOSS_AT") == f"{rank}:{step + 1}":  # lesson 08: the tests make one rank's loss NaN
+        if os.environ.get("NAN_LOSS_AT") == f"{rank}:{step + 1}":  # port lesson: the tests make one rank's loss NaN
             step_loss += float("nan")
         # stop at the first non-finite loss, before it reaches the weights or a snapshot
         # step 01 + step 04: one all_reduce: step 01's loss summed over ranks (NaN on one rank is NaN on all: all stop
@@ -391,7 +391,7 @@ def main(args):
             fail(f"the loss is {loss_value} at step {step + 1}; the last snapshot, if any, holds finite weights (the "
                  "steps since it are lost); try a lower --lr")
         # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
-        # lesson 08: after the all-reduce (the last micro-batch's backward): every rank has the same gradients, so
+        # port lesson: after the all-reduce (the last micro-batch's backward): every rank has the same gradients, so
         # every rank computes the same norm and clips alike; before it, each would clip its own shard's gradient
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
         if not math.isfinite(grad_norm):
@@ -422,17 +422,17 @@ def main(args):
             save_checkpoint(args.checkpoint, make_snapshot(done))
         if stopping:  # step 04
             log(f"stopped after step {done}" + ("; the same command resumes from there" if args.checkpoint else ""))
-            dist.barrier()  # lesson 08: leave together, as at the end of the run (below)
+            dist.barrier()  # port lesson: leave together, as at the end of the run (below)
             dist.destroy_process_group()  # step 01
             sys.exit(0)  # step 04: not a failure: torchrun must not spend a restart on it
     if rank == 0:  # step 01: one process samples
         log("sample:\n" + sample(raw_model, args, device))
     checksum = sum(p.double().sum().item() for p in raw_model.parameters())
     norms_digest = f"{len(norms)}, sum {sum(norms)!r}, sha256 {hashlib.sha256(repr(norms).encode()).hexdigest()[:16]}"
-    # every rank: equal on all of them (the weights, and the gradient norms, lesson 08)
+    # every rank: equal on all of them (the weights, and the gradient norms, port lesson)
     print(f"rank {rank} done: parameter checksum {checksum!r}; gradient norms: {norms_digest}\n", end="",
           flush=True)  # one write per line: lines of different ranks never run into each other
-    dist.barrier()  # lesson 08: leave together
+    dist.barrier()  # port lesson: leave together
     dist.destroy_process_group()  # step 01
 
 

@@ -100,7 +100,7 @@ def pytest_collection_modifyitems(items):
 # cluster and the fixed names of the network-namespace hosts. (Marks and `--dist loadgroup` would say this, but
 # under pytest 9.2 that groups nothing: pytest-dev/pytest-xdist#1386.)
 ROOT_FILES = {"test_multinode.py", "test_preflight.py", "test_slurm.py"}
-ROOT_TESTS = {"tests/test_notebooks.py::test_notebook_runs_from_a_clean_kernel[06_making_ddp_fast]"}
+ROOT_TESTS = {"tests/test_notebooks.py::test_notebook_runs_from_a_clean_kernel[making_ddp_fast]"}
 SPREAD_FILES = {"test_notebooks.py"}
 
 

@@ -118,6 +118,15 @@ def descendants(pid):
     return found
 
 
+def signals_kept_out(pid):
+    """The signals that can neither end a process nor reach its handlers: those it ignores (SIG_IGN) or blocks,
+    in the kernel's record of it (/proc/PID/status, Linux)."""
+    masks = dict(line.split(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                 if line.startswith(("SigIgn:", "SigBlk:")))
+    kept_out = int(masks["SigIgn"], 16) | int(masks["SigBlk"], 16)
+    return {number for number in signal.Signals if kept_out >> (number - 1) & 1}
+
+
 def kill_tree(pid):
     """SIGKILL to a process and all its descendants: torchrun puts its workers in sessions of their own. The
     process first, so that a launcher cannot start new workers once its present ones are gone."""

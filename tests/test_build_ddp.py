@@ -1,6 +1,7 @@
-"""Lesson 09's from-scratch DDP (notebooks/lessons/my_ddp.py) against torch's DistributedDataParallel, in real
-gloo groups of 2 and 3 processes: bitwise equal where the bucket layout and the division are the same, equal
-within float32 rounding where they are not, no_sync, and the unused-parameter hang ended by a timeout."""
+"""The from-scratch DDP of lesson build_ddp_yourself (notebooks/lessons/my_ddp.py) against torch's
+DistributedDataParallel, in real gloo groups of 2 and 3 processes: bitwise equal where the bucket layout and the
+division are the same, equal within float32 rounding where they are not, no_sync, and the unused-parameter hang
+ended by a timeout."""
 import shutil
 import sys
 import tempfile
@@ -172,7 +173,7 @@ def test_timeline_verdict_reads_which_buckets_finished_before_the_last_gradient(
 def test_the_lesson_states_no_timing_verdict_of_its_own():
     """Timing words come from the printed numbers (build_ddp.WORDS, printed by the cells), never from a heading
     or a hard-coded sentence that a re-run could contradict."""
-    text = (REPO / "notebooks" / "09_build_ddp_yourself.md").read_text()
+    text = (REPO / "notebooks" / "build_ddp_yourself.md").read_text()
     headings = [line for line in text.splitlines() if line.startswith("#")]
     assert not [line for line in headings if any(word in line.lower() for word in ("faster", "slower"))]
     for stale in ("still faster", '("cannot tell": this machine', "cannot tell them apart"):

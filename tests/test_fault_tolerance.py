@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import TORCHRUN, clean_env, finish, load_script, start
+from helpers import TORCHRUN, clean_env, finish, load_script, signals_kept_out, start
 
 pytestmark = pytest.mark.faults
 
@@ -158,11 +158,21 @@ def test_a_malicious_snapshot_is_refused_and_its_code_never_runs(tmp_path):
 
 @pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to the workers"])
 def test_a_preemption_signal_saves_a_snapshot_and_a_rerun_resumes(reference, tmp_path, how):
-    """With DataLoader workers (--num-workers 2) that get the signal too: they must not die first."""
+    """With DataLoader workers (--num-workers 2) that get the signal too: they must not die first, nor the fork
+    server they come from (its death would end them: a worker watches its parent). Every process below the ranks
+    ignores or blocks both stop signals, by the kernel's own record; the ranks catch them."""
     snapshot = tmp_path / "snapshot.pt"
     run = command(snapshot, 0, "--num-workers", "2")
     agent, log = launch(tmp_path, "first", run)
     wait_for_new_snapshot(snapshot, wait_for_new_snapshot(snapshot, 0))
+    ranks = psutil.Process(agent.pid).children()
+    below = [process for rank in ranks for process in rank.children(recursive=True)]
+    assert len(below) >= 2 * 2, [process.cmdline() for process in below]  # each rank's training loader workers
+    for process in below:  # (a worker just started may take a moment to reach ignore_stop_signals)
+        deadline = time.monotonic() + 10
+        while not {signal.SIGTERM, signal.SIGUSR1} <= signals_kept_out(process.pid) and process.is_running():
+            assert time.monotonic() < deadline, process.cmdline()
+            time.sleep(0.1)
     if how == "SIGTERM to torchrun":
         os.kill(agent.pid, signal.SIGTERM)  # torchrun forwards TERM to its workers
     else:
@@ -303,25 +313,33 @@ def test_a_resume_on_another_world_size_with_other_workers_goes_on_and_says_so(r
 
 # --- the loader's workers: seeded per rank and epoch, and alike on a resume -------------------------------------
 
+# Imported at start-up by every Python process of the run (PYTHONPATH): the ranks, the fork server that starts the
+# loader workers, the workers. A wrapper around DataLoader.__init__ makes each loader's workers append their rank,
+# set size and base seed; the callable is a class, so that it can travel to a worker by name.
 RECORD_WORKER_SEEDS = """
-import os, runpy, sys
+import os
 import torch.utils.data as data
+
+
+class Record:
+    def __init__(self, size, then):
+        self.size, self.then = size, then
+
+    def __call__(self, worker_id):
+        with open(os.environ["SEED_LOG"], "a") as log:
+            log.write(f"{os.environ['RANK']} {self.size} {data.get_worker_info().seed - worker_id}\\n")
+        if self.then:
+            self.then(worker_id)
+
 
 original = data.DataLoader.__init__
 
 
-def init(self, dataset, *args, **options):  # every loader's workers append their rank, set size and base seed
-    def record(worker_id, then=options.get("worker_init_fn")):
-        info = data.get_worker_info()
-        with open(os.environ["SEED_LOG"], "a") as log:
-            log.write(f"{os.environ['RANK']} {len(dataset)} {info.seed - worker_id}\\n")
-        then(worker_id)
-    original(self, dataset, *args, **{**options, "worker_init_fn": record})
+def init(self, dataset, *args, **options):
+    original(self, dataset, *args, **{**options, "worker_init_fn": Record(len(dataset), options.get("worker_init_fn"))})
 
 
 data.DataLoader.__init__ = init
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -340,17 +358,18 @@ def test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_a
     04 seeds it from (seed, epoch, rank): the 2 ranks x 2 epochs get 4 different base seeds, and a run resumed
     from the snapshot of epoch 1 gives epoch 2's loaders the same seeds as the uninterrupted run (and ends with
     the same parameters). Real workers, recorded by a wrapper around DataLoader; the script is run unchanged."""
-    (tmp_path / "record.py").write_text(RECORD_WORKER_SEEDS)
-    run = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", tmp_path / "record.py", SCRIPT,
+    (tmp_path / "sitecustomize.py").write_text(RECORD_WORKER_SEEDS)
+    run = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", SCRIPT,
            *TRAIN[:-2], "--save-every-steps", "1000", "--num-workers", "1", "--checkpoint", tmp_path / "whole.pt"]
-    code, output = wait(*launch(tmp_path, "whole", run, environment(SEED_LOG=tmp_path / "whole.seeds")))
+    recorded = dict(PYTHONPATH=tmp_path)
+    code, output = wait(*launch(tmp_path, "whole", run, environment(SEED_LOG=tmp_path / "whole.seeds", **recorded)))
     assert code == 0, output[-3000:]
     whole = worker_seeds(tmp_path / "whole.seeds")
     assert sorted(whole) == [0, 1] and all(len(seeds) == 2 for seeds in whole.values())
     assert len({seed for seeds in whole.values() for seed in seeds}) == 4, whole
     (tmp_path / "resumed.pt").write_bytes((tmp_path / "whole.pt.prev").read_bytes())  # the end of epoch 1
     run[run.index(tmp_path / "whole.pt")] = tmp_path / "resumed.pt"
-    code, resumed_output = wait(*launch(tmp_path, "resumed", run, environment(SEED_LOG=tmp_path / "resumed.seeds")))
+    code, resumed_output = wait(*launch(tmp_path, "resumed", run, environment(SEED_LOG=tmp_path / "resumed.seeds", **recorded)))
     assert code == 0 and "resumed from" in resumed_output, resumed_output[-3000:]
     assert worker_seeds(tmp_path / "resumed.seeds") == {rank: seeds[1:] for rank, seeds in whole.items()}
     assert checksums(resumed_output) == checksums(output)

@@ -52,7 +52,7 @@ def test_committed_outputs_are_complete_and_say_nothing_about_the_machine(name):
 
 # Notebooks with a part only root runs (06 shapes a link between network namespaces; without root it shows the
 # published figures instead): `root` puts them in `make test-root` too, so CI runs both paths.
-ROOT_PARTS = {"06_making_ddp_fast"}
+ROOT_PARTS = {"making_ddp_fast"}
 
 
 @pytest.mark.notebooks
@@ -62,7 +62,18 @@ def test_notebook_runs_from_a_clean_kernel(name):
     builder.execute(committed(name), timeout=300)  # raises CellExecutionError on a failing cell
 
 
-LECTURES = [name for name in NAMES if name[:2] in ("00", "01", "02", "03", "04", "05", "07", "08", "09", "10")]
+def test_the_lecture_of_step_n_is_notebook_n_and_every_other_is_named_by_its_subject():
+    """Every lesson source is in the reading order (tools/notebooks.py's PARTS) once; a name that starts with a
+    number is the lecture of the numbered script of that name, and each numbered script has its lecture."""
+    assert sorted(NAMES) == sorted(path.stem for path in (REPO / "notebooks").glob("*.md"))
+    assert len(set(NAMES)) == len(NAMES)
+    numbered = [name for name in NAMES if name[:1].isdigit()]
+    assert numbered == sorted(path.stem for path in REPO.glob("[0-9][0-9]_*.py")), numbered
+
+
+# the lectures with exercises: all but the two that continue another (preemption_and_elastic continues 04) or
+# present a benchmark (making_ddp_fast)
+LECTURES = [name for name in NAMES if name not in ("preemption_and_elastic", "making_ddp_fast")]
 
 
 @pytest.mark.parametrize("name", LECTURES)

@@ -113,8 +113,8 @@ def test_two_processes_with_half_the_batch_each_match_one_process_with_the_whole
 def test_validation_metrics_are_exact_over_uneven_shards(runs, text):
     """9 validation windows on 2 ranks: 5 and 4. The loss is the all-reduced sums (of losses and of bytes) divided
     once, and the median is taken over every window's loss gathered once each: both equal the one-process run's
-    value within RTOL (another run, whose weights differ by float rounding; notebook 08 compares the ways on the
-    same weights).
+    value within RTOL (another run, whose weights differ by float rounding; notebook port_your_model compares the
+    ways on the same weights).
     The test text makes rank 0's windows easy and rank 1's hard (make_text), so that rank 0's own median and the
     mean of the two ranks' means are far from the whole set's: this checks first that, with the final weights,
     they are (more than 100 x RTOL off), so that a port computing either would fail the comparison."""

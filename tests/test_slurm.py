@@ -140,7 +140,7 @@ def test_gpt_ddp_sbatch_trains_on_the_local_cluster(cluster, tmp_path):
     """The ported GPT (port/gpt_ddp.py) submitted unmodified: 2 processes on n1 train to the end, every rank with
     the same parameters, and the job's snapshot is written. (Its exact resume is proven under torchrun in
     tests/test_port.py; a stop and resume through Slurm, for 04, above. One job only: the port's runs end, about
-    once in ten stops, in a gloo teardown abort whose cause is not found; see notebook 08.)"""
+    once in ten stops, in a gloo teardown abort whose cause is not found; see notebook port_your_model.)"""
     from test_port import TINY as GPT_TINY
     from test_port import make_text
 

@@ -50,7 +50,7 @@ def agrees(low, high, line, word, words):
 def test_the_helper_gives_a_side_only_where_the_whole_interval_clears_the_line():
     words = dict(above="above", below="below", neither="neither")
     assert verdict(1.01, 1.2, 1.0, **words) == "above"
-    assert verdict(-5.8, -0.6, 0, **words) == "below"  # notebook 05's "hidden -2.2 ms (-5.8–-0.6)"
+    assert verdict(-5.8, -0.6, 0, **words) == "below"  # notebook ddp_under_the_hood's "hidden -2.2 ms (-5.8–-0.6)"
     assert verdict(-1.2, 3.6, 0, **words) == "neither"
     assert verdict(1.0, 1.2, 1.0, **words) == "neither"  # touching the line is not clearing it
     assert verdict(0.8, 1.0, 1.0, **words) == "neither"
@@ -128,12 +128,12 @@ def myddp_against_torch(text, rows):
 
 
 CHECKS = {
-    "05_ddp_under_the_hood": [
+    "ddp_under_the_hood": [
         hidden,
         pattern(rf"bf16 / fp32 per round {NUMBER} \(({NUMBER})–({NUMBER})\): (.+)$", 1.0,
                 above="slower", below="faster", neither="not resolved"),
     ],
-    "06_making_ddp_fast": [
+    "making_ddp_fast": [
         pattern(rf"{NUMBER} \(({NUMBER})–({NUMBER})\)( BIASED| \(spread crosses 2\.0\)|)(?= |$)", 2.0,
                 above=" BIASED", below="", neither=" (spread crosses 2.0)"),
         pattern(rf"bucket_cap_mb=100 \(the default's one bucket.*\(({NUMBER})–({NUMBER})\): (.+)$", 1.0,
@@ -144,7 +144,7 @@ CHECKS = {
         pattern(rf"speed x {NUMBER} \(({NUMBER})–({NUMBER})\): ([^;]+);", 1.0,
                 above="faster", below="slower", neither="not resolved"),
     ],
-    "08_port_your_model": [warmup_ranges],
+    "port_your_model": [warmup_ranges],
 }
 
 
@@ -170,7 +170,7 @@ def current(name):
 def notebook_verdicts(name):
     text = output_text(nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4))
     found = [result for check in CHECKS.get(name, []) for result in check(text)]
-    if name == "09_build_ddp_yourself":
+    if name == "build_ddp_yourself":
         rows_found, rows = myddp_rows(text)
         found += rows_found + myddp_against_torch(text, rows)
     return text, found
@@ -187,7 +187,7 @@ def test_every_verdict_in_a_notebooks_outputs_follows_its_interval(name):
     problems += [f"a verdict beside an interval that no check here reads: {line}" for line in text.splitlines()
                  if INTERVAL.search(line) and WORDS.search(line) and not any(part in line for part in checked)]
     if problems and not current(name):
-        pytest.xfail(f"{name}.ipynb is stale; re-execute it (python tools/notebooks.py {name[:2]}):\n"
+        pytest.xfail(f"{name}.ipynb is stale; re-execute it (python tools/notebooks.py {name}):\n"
                      + "\n".join(problems))
     assert not problems, f"{name}:\n" + "\n".join(problems)
 
@@ -200,7 +200,7 @@ def test_the_checks_catch_the_contradiction_notebook_05_once_printed():
                             "whole spread is below 0")
     assert hidden(fixed) == [(fixed, True)]
     median_based = "bucket_cap_mb=100  2.09 (1.67–2.20) BIASED (the median is past the 2.0 ceiling) (74.5% vs 74.5%)"
-    assert [right for _, right in CHECKS["06_making_ddp_fast"][0](median_based)] == [False]
+    assert [right for _, right in CHECKS["making_ddp_fast"][0](median_based)] == [False]
 
 
 # ---- the benchmark reports and their raw figures
@@ -308,8 +308,8 @@ def test_the_docs_quote_the_paired_benchmarks_raw_figures():
 
 
 def test_the_scaling_pages_derived_intervals_are_what_the_raw_figures_give():
-    """The two paired ratios docs/scaling.md computes from benchmarks/shaped_link.json (notebook 06 prints the
-    first): bucket_cap_mb=0.1 over its ceiling, and the slow link's figure over the datacenter link's."""
+    """The two paired ratios docs/scaling.md computes from benchmarks/shaped_link.json (notebook making_ddp_fast
+    prints the first): bucket_cap_mb=0.1 over its ceiling, and the slow link's figure over the datacenter link's."""
     import shaped_link as bench
 
     _, link, step, _ = bench.organise(json.loads(bench.RAW.read_text())["records"])

@@ -20,10 +20,10 @@ BUDGET = {  # lines added by each step
     # mp.spawn runs: main, then an exit without Python's shutdown (gloo's threads outlive the group: SIGABRT) 8
     "02_torchrun.py": 30,
     "03_multinode.py": 40,
-    "04_fault_tolerant.py": 186,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
+    "04_fault_tolerant.py": 191,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
     # snapshot) 24, loader workers seeded per rank and epoch 4, rank 0's GPU RNG state set on each rank's GPU 1, damaged
     # snapshots named with what is wrong in the one refusal line, the fallback's warning once it has worked 5,
-    # TensorBoard's writer closed on a stop by a signal 2
+    # TensorBoard's writer closed on a stop by a signal 2, the loaders' fork server started deaf to the stop signals 5
     "05_fsdp.py": 120,  # FSDP2 for DDP 15, sharded snapshots (DCP) and the whole-model file 50, the rest: every rank
     # runs as many forwards (evaluate), a resume that keeps the global batch on another world size, an old gloo refused;
     # 120: a snapshot's index and pieces checked before a resume reads them 3, a piece damaged inside refused in one
@@ -33,7 +33,7 @@ BUDGET = {  # lines added by each step
 # ladder's steps 01-04 add to a script, plus what a real run needs on top (clipping after the all-reduce, exact
 # metrics, the loss check every rank agrees on, one text for all ranks), a comment naming the step on each line.
 PAIRS = {
-    # 140, not 125: lesson 08's review added a barrier on both failing and stopping exits, a rank-local failure path
+    # 140, not 125: the port lesson's review put a barrier on both failing and stopping exits, a rank-local failure path
     # for an unreadable snapshot, and one check that every rank resumes the same snapshot on the same world size
     # 141: leaving without Python's shutdown (gloo's threads outlive the group: a SIGABRT at exit) costs 4 lines;
     # a shorter comment and docstring gave 3 back

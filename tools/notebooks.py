@@ -1,17 +1,17 @@
-"""Builds notebooks/NN_name.ipynb from its lesson source notebooks/NN_name.md and executes it, so that every
+"""Builds notebooks/NAME.ipynb from its lesson source notebooks/NAME.md and executes it, so that every
 committed output was produced by the committed lesson.
 
-    python tools/notebooks.py              # rebuild and execute every notebook (a few minutes on 2 cores)
-    python tools/notebooks.py 01 02        # only those whose name starts with 01 or 02
-    python tools/notebooks.py --check      # fail if a notebook is stale
+    python tools/notebooks.py                  # rebuild and execute every notebook (a few minutes on 2 cores)
+    python tools/notebooks.py 01 when_it       # only those whose name starts with 01 or when_it
+    python tools/notebooks.py --check          # fail if a notebook is stale
 
-A lesson source is a MyST markdown file in jupytext's format: prose as it reads, each code cell a
-```{code-cell}``` block. A step may have more than one notebook (04, then 04b): NN, a letter, then _name.
-Edit the .md, not the .ipynb: the notebook is an output. (With jupytext installed,
-Jupyter opens the .md as a notebook too; both files are paired, `formats: ipynb,md:myst`.) Each executed
-notebook records a hash of its source, the numbered scripts and notebooks/lessons/*.py in its metadata, and the
-torch version it ran with; tests/test_notebooks.py checks cells, hash and version (stale outputs fail: a new torch
-means re-executing every notebook), and runs each notebook.
+A lesson source is a MyST markdown file in jupytext's format: prose as it reads, each code cell a ```{code-cell}```
+block. The lecture of step NN is NN_name (05_fsdp teaches 05_fsdp.py); a lecture that adds no numbered script is
+named by its subject. PARTS gives the reading order. Edit the .md, not the .ipynb: the notebook is an output. (With
+jupytext installed, Jupyter opens the .md as a notebook too; both files are paired, `formats: ipynb,md:myst`.) Each
+executed notebook records a hash of its source, the numbered scripts and notebooks/lessons/*.py in its metadata,
+and the torch version it ran with; tests/test_notebooks.py checks cells, hash and version (stale outputs fail: a
+new torch means re-executing every notebook), and runs each notebook.
 """
 import hashlib
 import os
@@ -29,9 +29,18 @@ FOLDER = REPO / "notebooks"
 KERNEL = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 
+# The reading order, in three parts (the README's ladder shows the same).
+PARTS = {
+    "The ladder": ["00_single_gpu", "01_mp_spawn", "02_torchrun", "03_multinode", "04_fault_tolerant",
+                   "preemption_and_elastic", "05_fsdp"],
+    "Inside DDP": ["ddp_under_the_hood", "making_ddp_fast", "build_ddp_yourself"],
+    "Your own model, and when it breaks": ["when_it_breaks", "port_your_model"],
+}
+
+
 def names():
-    """The notebooks, in order: one per lesson source."""
-    return [path.stem for path in sorted(FOLDER.glob("[0-9][0-9]*_*.md"))]  # 04 before 04b
+    """The notebooks, in reading order: one per lesson source."""
+    return [name for part in PARTS.values() for name in part]
 
 
 def source(name):
@@ -105,7 +114,7 @@ def check():
         if cells(committed) != cells(jupytext.read(source(name))) or \
                 committed.metadata.get("ddp_steps", {}).get("source_sha256") != source_hash(name):
             problems.append(f"{path.name} is stale (notebooks/{name}.md, the scripts or notebooks/lessons/ changed "
-                            f"since it was executed): run python tools/notebooks.py {name[:2]}")
+                            f"since it was executed): run python tools/notebooks.py {name}")
         elif (ran_with := committed.metadata.get("ddp_steps", {}).get("torch")) != torch_version():
             problems.append(f"{path.name} was executed with torch {ran_with}, the installed torch is "
                             f"{torch_version()}: run python tools/notebooks.py (docs/versions.md)")

@@ -9,8 +9,8 @@ collective's timeout must end the wait first, whatever the load. So each check a
 0's error and for rank 0's failure before rank 1's work ends (a late timeout would fail otherwise: when rank 1
 leaves, the group's connections close and rank 0 fails with "Connection closed by peer" instead):
 - lesson 01, mistake 3: rank 0 all-reduces alone (timeout 3 s), rank 1 works 9 s;
-- lesson 05, uneven inputs without Join: rank 0's third backward waits (timeout 3 s), rank 1 works 9 s;
-- lesson 07, the NaN seen by one rank: rank 0's backward waits (timeout 3 s), rank 1 works 3 + 6 s.
+- lesson ddp_under_the_hood, uneven inputs without Join: rank 0's third backward waits (timeout 3 s), rank 1 works 9 s;
+- lesson when_it_breaks, the NaN seen by one rank: rank 0's backward waits (timeout 3 s), rank 1 works 3 + 6 s.
 """
 import argparse
 import multiprocessing

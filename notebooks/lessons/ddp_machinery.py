@@ -229,7 +229,7 @@ def uneven_inputs(rank, world_size, use_join):
 
 
 def under_the_hood(rank, world_size):
-    """Every 2-process experiment of 05_ddp_under_the_hood.ipynb, one after the other in one group (starting
+    """Every 2-process experiment of ddp_under_the_hood.ipynb, one after the other in one group (starting
     processes costs seconds). The uneven inputs without Join come last: they break the group on purpose."""
     return {"averaging": gradients_before_and_after_all_reduce(rank, world_size),
             "timings": communication_timings(rank, world_size),

@@ -1,4 +1,4 @@
-"""07_when_it_breaks.ipynb: finding the stuck rank (py-spy, the Flight Recorder's dumps), reading torchrun's
+"""when_it_breaks.ipynb: finding the stuck rank (py-spy, the Flight Recorder's dumps), reading torchrun's
 failure report, and the 2-process experiments of its silent mistakes. The generic helpers (starting commands,
 following logs, scrubbing paths, process pools) are in lessons.runs."""
 import os

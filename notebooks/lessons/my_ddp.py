@@ -1,6 +1,6 @@
 """DistributedDataParallel built from scratch, in one screen: the group's rank 0's parameters and buffers
 broadcast at wrap (torch's DDP also re-broadcasts rank 0's buffers before a forward, unless the previous one ran
-without gradients or inside no_sync: notebook 05 §3.5; this does not); buckets in
+without gradients or inside no_sync: notebook ddp_under_the_hood §3.5; this does not); buckets in
 reverse registration order; one asynchronous all-reduce per bucket, launched the moment its last gradient is
 ready; every bucket waited for and copied back at the end of backward(); no_sync for gradient accumulation,
 read at forward time, as torch's is."""

@@ -1,4 +1,4 @@
-"""Lesson 08's workers: run in each process of a gloo group (runs.Processes or runs.run_group), they compute the
+"""The port lesson's workers: run in each process of a gloo group (runs.Processes or runs.run_group), they compute the
 validation metrics of port/gpt_ddp.py's model three ways - rank-local, as DistributedSampler shards and gathers
 them, and as gpt_ddp.py does - and compare the texts the ranks read."""
 import torch
