@@ -475,7 +475,12 @@ def check_same_everywhere(report, facts):
                    "on none (check drivers, CUDA_VISIBLE_DEVICES, a CPU-only torch build)"}.get(
                        flag, "install the same environment on every node (one shared venv, or one container image)")
             text = "; ".join(f"{value} on {', '.join(where)}" for value, where in seen.items())
-            if flag == "python-version":
+            if flag == "nproc-per-node":  # torchrun accepts it: ranks are numbered node after node, and counted
+                report.warning(flag, f"different {what}: {text}. torchrun accepts this (WORLD_SIZE is their sum) "
+                               "and the steps train, but code that assumes one count on every node breaks: a node "
+                               "index computed as RANK // LOCAL_WORLD_SIZE, WORLD_SIZE taken as nodes x processes, a "
+                               "2-D device mesh (nodes x processes, as HSDP builds)", fix)
+            elif flag == "python-version":
                 report.warning(flag, f"different {what}: {text}", fix)
             else:
                 report.problem(flag, f"different {what}: {text}", fix)
@@ -647,7 +652,7 @@ def build_report(args, env, facts, plan, probes, results):
         say(f"== verdict: NOT OK, {len(report.problems)} problem(s): these nodes cannot train together")
     else:
         say(f"== verdict: OK, {len({f['node'] for f in facts.values()})} node(s) x "
-            f"{env['local_world_size']} process(es) can train together"
+            f"{'/'.join(map(str, sorted(same['local_world_size'])))} process(es) can train together"
             + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
     say("\n".join(report.problems + report.warnings))
     return "\n".join(line for line in report.lines if line), not report.problems

@@ -369,7 +369,8 @@ def test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_a
     assert len({seed for seeds in whole.values() for seed in seeds}) == 4, whole
     (tmp_path / "resumed.pt").write_bytes((tmp_path / "whole.pt.prev").read_bytes())  # the end of epoch 1
     run[run.index(tmp_path / "whole.pt")] = tmp_path / "resumed.pt"
-    code, resumed_output = wait(*launch(tmp_path, "resumed", run, environment(SEED_LOG=tmp_path / "resumed.seeds", **recorded)))
+    resumed = environment(SEED_LOG=tmp_path / "resumed.seeds", **recorded)
+    code, resumed_output = wait(*launch(tmp_path, "resumed", run, resumed))
     assert code == 0 and "resumed from" in resumed_output, resumed_output[-3000:]
     assert worker_seeds(tmp_path / "resumed.seeds") == {rank: seeds[1:] for rank, seeds in whole.items()}
     assert checksums(resumed_output) == checksums(output)

@@ -81,6 +81,25 @@ def test_two_nodes_over_loopback(tmp_path, form):
     assert (master_port == port) == (form == "static"), f"workers' MASTER_PORT {master_port}, endpoint {port}"
 
 
+def test_nodes_with_different_process_counts_train_as_one_world():
+    """torchrun accepts a different --nproc_per_node on each node (c10d rendezvous): 1 process on one node and 2 on
+    the other make one world of 3, ranks numbered node after node, LOCAL_RANK per node, and all 3 end with the same
+    parameters. (The preflight warns about it, and says what code breaks on it: docs/troubleshooting.md.)"""
+    endpoint = f"127.0.0.1:{free_port()}"
+    one, two = node_command(endpoint, "uneven", *TRAIN), node_command(endpoint, "uneven", *TRAIN)
+    two[two.index("--nproc_per_node=1")] = "--nproc_per_node=2"
+    results = [finish(agent, timeout=240) for agent in [start(one, env=nodes_env()), start(two, env=nodes_env())]]
+    output = "\n".join(result.stdout for result in results)
+    assert [result.returncode for result in results] == [0, 0], output[-3000:]
+    ranks = sorted(re.findall(r"node (\d), local rank (\d): rank (\d) of (\d)", output))
+    nodes = {node for node, _, _, _ in ranks}
+    assert len(ranks) == 3 and {world for _, _, _, world in ranks} == {"3"}, ranks
+    assert sorted(rank for _, _, rank, _ in ranks) == ["0", "1", "2"]
+    per_node = sorted(sorted(local for node_, local, _, _ in ranks if node_ == node) for node in nodes)
+    assert per_node == [["0"], ["0", "1"]], ranks
+    assert len(set(re.findall(r"parameter checksum (\S+)", output))) == 1
+
+
 def test_a_missing_node_fails_in_bounded_time_with_a_clear_message():
     """Only one of two nodes starts: the agent gives up after join_timeout (20 s here) with a rendezvous
     timeout error, instead of waiting forever."""

@@ -64,6 +64,21 @@ def test_two_nodes_over_loopback_are_ok_with_bandwidth_figures():
 
 
 @pytest.mark.multihost
+def test_different_process_counts_per_node_are_a_warning_that_says_what_breaks():
+    """torchrun trains 1 + 2 processes as one world of 3 (tests/test_multinode.py), so the verdict is OK, with a
+    warning that names the code that assumes one count on every node."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    two = preflight_node(endpoint, "pre-uneven")
+    two[two.index("--nproc_per_node=1")] = "--nproc_per_node=2"
+    results, _ = run_nodes([preflight_node(endpoint, "pre-uneven"), two])
+    report = the_report(results)
+    assert [result.returncode for result in results] == [0, 0], report
+    assert "warning [nproc-per-node] different processes per node (--nproc_per_node): 1 on" in report
+    assert "RANK // LOCAL_WORLD_SIZE" in report and "2-D device mesh" in report
+    assert "== verdict: OK, 2 node(s) x 1/2 process(es) can train together" in report
+
+
+@pytest.mark.multihost
 def test_three_nodes_name_the_slowest_pair():
     endpoint = f"127.0.0.1:{free_port()}"
     results, _ = run_nodes([preflight_node(endpoint, "pre-three", nnodes=3)] * 3)

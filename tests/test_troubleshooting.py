@@ -1,6 +1,7 @@
 """The failures docs/troubleshooting.md describes, reproduced: each one fails the way the guide says, with
 the message the guide quotes, in bounded time."""
 import re
+import socket
 import time
 from datetime import timedelta
 
@@ -64,6 +65,99 @@ def test_legacy_launcher_passes_a_local_rank_argument_the_scripts_do_not_take():
     result = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=1", "02_torchrun.py"], timeout=60)
     assert result.returncode != 0
     assert "unrecognized arguments: --local-rank=0" in result.stdout
+
+@pytest.mark.launch
+def test_a_second_job_on_the_same_master_port_fails_at_once_naming_the_port():
+    """Two jobs on one machine, both given --master_port P (or both left at the default 29500): the second agent
+    cannot open its store there and stops at once; the first goes on. (--standalone takes a free port instead.)"""
+    port = free_port()
+    job = [TORCHRUN, "--nnodes=1", "--nproc_per_node=1", f"--master_port={port}", "02_torchrun.py", *TRAIN]
+    first = start(job, nodes_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not listening(port):  # the first agent's store is open
+            assert first.poll() is None and time.monotonic() < deadline, "the first job did not open its store"
+            time.sleep(0.2)
+        began = time.monotonic()
+        second = finish(start(job, nodes_env()), timeout=60)
+        assert second.returncode != 0 and time.monotonic() - began < 30
+        assert f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE" in second.stdout, second.stdout[-2000:]
+        assert first.poll() is None, "the first job goes on"
+    finally:
+        kill_tree(first.pid)
+
+
+def listening(port):
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+class Crafted:
+    """What a sender can put in a pickle: unpickling it calls any function the sender names, with its arguments
+    (here a harmless one, str.upper)."""
+    def __reduce__(self):
+        return str.upper, ("this call was chosen by the sender",)
+
+
+def send_objects_from_rank0(rank, world_size):
+    settings = [{"lr": 0.1, "warmup": ["linear", 100]} if rank == 0 else None]  # equal-length lists on every rank
+    dist.broadcast_object_list(settings, src=0)
+    crafted = [Crafted() if rank == 0 else None]
+    dist.broadcast_object_list(crafted, src=0)
+    try:
+        dist.broadcast_object_list([Crafted() if rank == 0 else None], src=0, weights_only=True)
+        refused = None
+    except Exception as error:  # noqa: BLE001 (what the receiving rank gets)
+        refused = f"{type(error).__name__}: {error}"
+    return settings[0], crafted[0] if isinstance(crafted[0], str) else type(crafted[0]).__name__, refused
+
+
+@pytest.mark.multiproc
+def test_broadcast_object_list_sends_rank0s_objects_and_unpickling_runs_what_the_sender_chose():
+    """broadcast_object_list pickles rank 0's objects and every other rank unpickles them: a plain dict arrives
+    equal; an object whose pickle names a function makes the receiving rank call it (that is why a pickle is only
+    for data you trust); with weights_only=True (torch 2.15.0) the receiving rank refuses it instead."""
+    results = run_group(send_objects_from_rank0, 2)
+    assert [result[0] for result in results] == [{"lr": 0.1, "warmup": ["linear", 100]}] * 2
+    assert results[0][1] == "Crafted", "rank 0 keeps its own object"
+    assert results[1][1] == "THIS CALL WAS CHOSEN BY THE SENDER", "rank 1 ran the call"
+    assert results[0][2] is None and results[1][2].startswith("UnpicklingError: Weights only load failed"), results
+
+
+LOCAL_WORKER_INIT = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def seed_worker(worker_id):  # at module level: a worker finds it by name
+    pass
+
+
+def main():
+    def local_seed_worker(worker_id):  # defined inside a function: a local object, which has no name to find
+        pass
+    for init in (local_seed_worker, seed_worker):
+        loader = DataLoader(TensorDataset(torch.zeros(4)), num_workers=1, worker_init_fn=init,
+                            multiprocessing_context="forkserver")  # as the numbered scripts' loaders
+        try:
+            print(init.__name__, "works:", next(iter(loader))[0].tolist(), flush=True)
+        except AttributeError as error:
+            print(init.__name__, "fails:", error, flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.launch
+def test_a_loader_worker_needs_what_it_runs_at_module_level(tmp_path):
+    """The scripts' loaders start workers from a fork server, so the dataset and worker_init_fn travel to each
+    worker by pickle, which finds a function by its name: one defined inside another function cannot be sent."""
+    (tmp_path / "workers.py").write_text(LOCAL_WORKER_INIT)
+    output = run([PYTHON, tmp_path / "workers.py"], timeout=120).stdout
+    assert "local_seed_worker fails: Can't pickle local object 'main.<locals>.local_seed_worker'" in output, output
+    assert "seed_worker works: [0.0]" in output, output
+
 
 def skip_a_collective(rank, world_size):
     if rank == 1:  # e.g. an all_reduce hidden inside `if rank == 0:`
