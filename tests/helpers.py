@@ -118,13 +118,15 @@ def descendants(pid):
     return found
 
 
-def signals_kept_out(pid):
-    """The signals that can neither end a process nor reach its handlers: those it ignores (SIG_IGN) or blocks,
-    in the kernel's record of it (/proc/PID/status, Linux)."""
-    masks = dict(line.split(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                 if line.startswith(("SigIgn:", "SigBlk:")))
-    kept_out = int(masks["SigIgn"], 16) | int(masks["SigBlk"], 16)
-    return {number for number in signal.Signals if kept_out >> (number - 1) & 1}
+def ignored_signals(pid):
+    """The signals a process ignores (SIG_IGN: for the whole process, every thread), from the kernel's record of it
+    (/proc/PID/status, Linux; signal n is bit n - 1); an empty set once the process has ended."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return set()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    return {number for number in signal.Signals if mask >> (number - 1) & 1}
 
 
 def kill_tree(pid):

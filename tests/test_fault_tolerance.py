@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import TORCHRUN, clean_env, finish, load_script, signals_kept_out, start
+from helpers import TORCHRUN, clean_env, finish, ignored_signals, load_script, start
 
 pytestmark = pytest.mark.faults
 
@@ -160,7 +160,7 @@ def test_a_malicious_snapshot_is_refused_and_its_code_never_runs(tmp_path):
 def test_a_preemption_signal_saves_a_snapshot_and_a_rerun_resumes(reference, tmp_path, how):
     """With DataLoader workers (--num-workers 2) that get the signal too: they must not die first, nor the fork
     server they come from (its death would end them: a worker watches its parent). Every process below the ranks
-    ignores or blocks both stop signals, by the kernel's own record; the ranks catch them."""
+    ignores both stop signals, by the kernel's own record; the ranks catch them."""
     snapshot = tmp_path / "snapshot.pt"
     run = command(snapshot, 0, "--num-workers", "2")
     agent, log = launch(tmp_path, "first", run)
@@ -170,7 +170,7 @@ def test_a_preemption_signal_saves_a_snapshot_and_a_rerun_resumes(reference, tmp
     assert len(below) >= 2 * 2, [process.cmdline() for process in below]  # each rank's training loader workers
     for process in below:  # (a worker just started may take a moment to reach ignore_stop_signals)
         deadline = time.monotonic() + 10
-        while not {signal.SIGTERM, signal.SIGUSR1} <= signals_kept_out(process.pid) and process.is_running():
+        while not {signal.SIGTERM, signal.SIGUSR1} <= ignored_signals(process.pid) and process.is_running():
             assert time.monotonic() < deadline, process.cmdline()
             time.sleep(0.1)
     if how == "SIGTERM to torchrun":
@@ -313,9 +313,10 @@ def test_a_resume_on_another_world_size_with_other_workers_goes_on_and_says_so(r
 
 # --- the loader's workers: seeded per rank and epoch, and alike on a resume -------------------------------------
 
-# Imported at start-up by every Python process of the run (PYTHONPATH): the ranks, the fork server that starts the
-# loader workers, the workers. A wrapper around DataLoader.__init__ makes each loader's workers append their rank,
-# set size and base seed; the callable is a class, so that it can travel to a worker by name.
+# Imported at start-up by every Python interpreter of the run (PYTHONPATH), the fork server included, so the workers
+# it forks have it too. A wrapper around DataLoader.__init__ makes each loader's workers append their rank, set size
+# and base seed; the callable is an instance of a module-level class, which pickle sends as the class's name plus
+# its fields.
 RECORD_WORKER_SEEDS = """
 import os
 import torch.utils.data as data

@@ -1,0 +1,74 @@
+"""Times every lecture as a workshop runs it: each notebook executed from a clean kernel, one at a time (run it on
+an otherwise idle machine), with the seconds of the whole run and of its exercises' solution cells, and its prose
+counted in words. Writes docs/workshop_times.json, from which docs/workshop.md's table is made (and checked:
+tests/test_notebooks.py). About 8 minutes on 2 cores.
+
+    .venv/bin/python tools/workshop_times.py            # all lectures, in reading order
+    .venv/bin/python tools/workshop_times.py --table    # print the table from the committed figures, no runs
+"""
+import json
+import os
+import platform
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import notebooks  # noqa: E402
+
+FIGURES = REPO / "docs" / "workshop_times.json"
+WORDS_PER_MINUTE = 150  # an assumed pace for reading technical prose aloud or alone: not measured
+
+
+def seconds(cell):
+    times = cell.metadata.get("execution", {})
+    if "iopub.execute_input" not in times or "shell.execute_reply" not in times:
+        return 0.0
+    began, ended = (datetime.fromisoformat(times[key].replace("Z", "+00:00"))
+                    for key in ("iopub.execute_input", "shell.execute_reply"))
+    return (ended - began).total_seconds()
+
+
+def measure(name):
+    began = time.monotonic()
+    executed = notebooks.execute(notebooks.build(name), timeout=600)
+    total = time.monotonic() - began
+    prose = " ".join(cell.source for cell in executed.cells if cell.cell_type == "markdown")
+    solutions = [cell for cell in executed.cells if "solution" in cell.metadata.get("tags", [])]
+    return {"run_s": round(total, 1), "solutions_s": round(sum(seconds(cell) for cell in solutions), 1),
+            "exercises": len(re.findall(r"^### Exercise", prose, re.M)),
+            "words": len(re.findall(r"\w+", re.sub(r"`[^`]*`", "x", prose)))}
+
+
+def table(figures):
+    rows = ["| part | lecture | runs in | its exercises' solutions run in | prose | reading at "
+            f"{WORDS_PER_MINUTE} words/min (assumed) |", "|---|---|---|---|---|---|"]
+    for part, names in notebooks.PARTS.items():
+        for name in names:
+            figure = figures["lectures"][name]
+            rows.append(f"| {part} | [{name}](../notebooks/{name}.ipynb) | {figure['run_s']:.0f} s | "
+                        f"{figure['solutions_s']:.0f} s ({figure['exercises']} exercises) | {figure['words']} words | "
+                        f"{figure['words'] / WORDS_PER_MINUTE:.0f} min |")
+    return "\n".join(rows)
+
+
+def main(args):
+    if "--table" in args:
+        print(table(json.loads(FIGURES.read_text())))
+        return 0
+    figures = {"measured": time.strftime("%Y-%m-%d", time.gmtime()), "python": platform.python_version(),
+               "torch": notebooks.torch_version(), "cores": len(os.sched_getaffinity(0)),
+               "lectures": {}}
+    for name in notebooks.names():
+        figures["lectures"][name] = measure(name)
+        print(f"{name}: {figures['lectures'][name]}", flush=True)
+    FIGURES.write_text(json.dumps(figures, indent=1) + "\n")
+    print(table(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
