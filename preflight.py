@@ -435,6 +435,12 @@ def check_missing(report, env, facts):
     missing = sorted(set(range(env["world_size"])) - set(facts))
     if not missing:
         return
+    if len({fact["local_world_size"] for fact in facts.values()}) > 1:  # rank // count would name the wrong node
+        report.problem("missing", f"rank(s) {','.join(map(str, missing))} never checked in within the timeout (the "
+                       "nodes run different numbers of processes, so their node cannot be told from their rank)",
+                       "start the same command on every node, with the same --nproc_per_node, and read the output "
+                       "of the nodes that did not report")
+        return
     per_node = env["local_world_size"]  # launchers number ranks node by node
     by_node = {}
     for rank in missing:
@@ -643,16 +649,20 @@ def build_report(args, env, facts, plan, probes, results):
     report_who(say, env, facts)
     check_missing(report, env, facts)
     same = check_same_everywhere(report, facts)
-    say(f"  same on every node: --nproc_per_node {'/'.join(map(str, sorted(same['local_world_size'])))}, torch "
-        f"{'/'.join(sorted(same['torch']))}, backend {'/'.join(sorted(same['backend']))}")
+    differ = any(len(values) > 1 for values in same.values())
+    say(f"  same on every node: --nproc_per_node {' and '.join(map(str, sorted(same['local_world_size'])))}, torch "
+        f"{' and '.join(sorted(same['torch']))}, backend {' and '.join(sorted(same['backend']))}"
+        + (" (not the same: see below)" if differ else ""))
     report_names(report, say, env, facts, probes)
     report_network(report, say, env, facts, plan, probes, results)
     report_machine(report, say, facts, results)
     if report.problems:
         say(f"== verdict: NOT OK, {len(report.problems)} problem(s): these nodes cannot train together")
     else:
-        say(f"== verdict: OK, {len({f['node'] for f in facts.values()})} node(s) x "
-            f"{'/'.join(map(str, sorted(same['local_world_size'])))} process(es) can train together"
+        counts = sorted(same["local_world_size"])
+        each = f"x {counts[0]} process(es)" if len(counts) == 1 else \
+            f"({' and '.join(map(str, counts))} processes per node, {len(facts)} in all)"
+        say(f"== verdict: OK, {len({f['node'] for f in facts.values()})} node(s) {each} can train together"
             + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
     say("\n".join(report.problems + report.warnings))
     return "\n".join(line for line in report.lines if line), not report.problems

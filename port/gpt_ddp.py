@@ -229,7 +229,7 @@ def gather_uneven(values, total):
     padded[:len(values)] = values  # port lesson
     gathered = [torch.empty_like(padded) for _ in range(world_size)]  # port lesson
     dist.all_gather(gathered, padded)  # port lesson
-    return torch.cat([shard[:len(range(rank, total, world_size))] for rank, shard in enumerate(gathered)])  # 08
+    return torch.cat([shard[:len(range(r, total, world_size))] for r, shard in enumerate(gathered)])  # port lesson
 
 
 @torch.no_grad()
@@ -326,7 +326,8 @@ def main(args):
     # port lesson: one place to resume from, on the world size that wrote it (a rank finding no snapshot would start
     # afresh while the others resume; another world size changes the global batch)
     found = [None] * world_size  # port lesson
-    dist.all_gather_object(found, snapshot and (snapshot["step"], snapshot["position"], snapshot["world_size"]))  # 08
+    where = snapshot and (snapshot["step"], snapshot["position"], snapshot["world_size"])  # port lesson
+    dist.all_gather_object(found, where)  # port lesson
     if len(set(found)) > 1 or (snapshot and snapshot["world_size"] != world_size):  # port lesson
         fail(f"--checkpoint {args.checkpoint}: (step, position, world size) of the snapshot by rank: {found}; "
              f"resume on {world_size} processes, every rank reading the same snapshot")  # port lesson

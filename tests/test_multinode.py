@@ -97,6 +97,8 @@ def test_nodes_with_different_process_counts_train_as_one_world():
     assert sorted(rank for _, _, rank, _ in ranks) == ["0", "1", "2"]
     per_node = sorted(sorted(local for node_, local, _, _ in ranks if node_ == node) for node in nodes)
     assert per_node == [["0"], ["0", "1"]], ranks
+    first, second = ([int(rank) for node_, _, rank, _ in ranks if node_ == node] for node in ("0", "1"))
+    assert sorted(first + second) == [0, 1, 2] and max(first) < min(second), "node 0's ranks, then node 1's"
     assert len(set(re.findall(r"parameter checksum (\S+)", output))) == 1
 
 

@@ -50,8 +50,8 @@ def test_committed_outputs_are_complete_and_say_nothing_about_the_machine(name):
     assert not re.search(r"^\[[\w.-]+\] ", text, re.M), "a script's [hostname] prefix in the outputs"
 
 
-# Notebooks with a part only root runs (06 shapes a link between network namespaces; without root it shows the
-# published figures instead): `root` puts them in `make test-root` too, so CI runs both paths.
+# Notebooks with a part only root runs (making_ddp_fast shapes a link between network namespaces; without root it
+# shows the published figures instead): `root` puts them in `make test-root` too, so CI runs both paths.
 ROOT_PARTS = {"making_ddp_fast"}
 
 
@@ -71,9 +71,7 @@ def test_the_lecture_of_step_n_is_notebook_n_and_every_other_is_named_by_its_sub
     assert numbered == sorted(path.stem for path in REPO.glob("[0-9][0-9]_*.py")), numbered
 
 
-# the lectures with exercises: all but the two that continue another (preemption_and_elastic continues 04) or
-# present a benchmark (making_ddp_fast)
-LECTURES = [name for name in NAMES if name not in ("preemption_and_elastic", "making_ddp_fast")]
+LECTURES = NAMES  # every lecture ends with exercises
 
 
 @pytest.mark.parametrize("name", LECTURES)

@@ -68,7 +68,7 @@ def test_side_allows_for_the_printed_rounding():
 # ---- the notebooks' outputs: each check reads the lines of one notebook's outputs and returns the verdicts
 # it found, as (the line, whether its word agrees with its interval)
 
-def hidden(text):  # 05, 3.2: against the bound (biased) and against 0 (hid time / cost time)
+def hidden(text):  # ddp_under_the_hood, 3.2: against the bound (biased) and against 0 (hid time / cost time)
     found = []
     for line in text.splitlines():
         match = re.search(rf"hidden\s+{NUMBER} ms \(({NUMBER})–({NUMBER})\): (.+)$", line)
@@ -95,7 +95,7 @@ def pattern(regex, line, **words):
     return check
 
 
-def warmup_ranges(text):  # 08: two ranges of final losses; a side only if every difference has it
+def warmup_ranges(text):  # port_your_model: two ranges of final losses; a side only if every difference has it
     ranges = dict(re.findall(rf"warm-up\s+(\d+): final validation loss ({NUMBER}–{NUMBER});", text))
     found = []
     for line in re.findall(r"^final validation loss: .+$", text, re.M):
@@ -105,7 +105,7 @@ def warmup_ranges(text):  # 08: two ranges of final losses; a side only if every
     return found
 
 
-def myddp_rows(text):  # 09: the words of section 6, and the lines that repeat them
+def myddp_rows(text):  # build_ddp_yourself: the words of section 6, and the lines that repeat them
     found = pattern(rf"\[\s*({NUMBER}),\s*({NUMBER})\]\s+(faster in every block|slower in every block|cannot tell)",
                     0, above="slower in every block", below="faster in every block", neither="cannot tell")(text)
     rows, version = {}, None
@@ -192,7 +192,7 @@ def test_every_verdict_in_a_notebooks_outputs_follows_its_interval(name):
     assert not problems, f"{name}:\n" + "\n".join(problems)
 
 
-def test_the_checks_catch_the_contradiction_notebook_05_once_printed():
+def test_the_checks_catch_the_contradiction_ddp_under_the_hood_once_printed():
     printed = ("DDP (overlapped): all-reduces alone 17.3 ms; hidden   -2.2 ms (-5.8–-0.6): not resolved on this "
                "machine: the spread includes 0 (bound: 2.8 ms)")
     assert hidden(printed) == [(printed, False)]

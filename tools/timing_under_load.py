@@ -57,9 +57,10 @@ def main():
             lesson07 = step0 == 3 and len(failed) == 1 and timed_out_within(failed[0], r"^\s*([\d.]+) s") and \
                 any("done with" in line for line in lines1)
             print(f"round {round_} ({time.monotonic() - began:.0f} s): lesson 01 {'ok' if lesson01 else 'FAILED'}, "
-                  f"05 {'ok' if lesson05 else 'FAILED'}, 07 {'ok' if lesson07 else 'FAILED'}", flush=True)
-            for name, ok, said in (("01", lesson01, [rank0, rank1]), ("05", lesson05, no_join),
-                                   ("07", lesson07, [lines0, lines1])):
+                  f"ddp_under_the_hood {'ok' if lesson05 else 'FAILED'}, "
+                  f"when_it_breaks {'ok' if lesson07 else 'FAILED'}", flush=True)
+            for name, ok, said in (("01", lesson01, [rank0, rank1]), ("ddp_under_the_hood", lesson05, no_join),
+                                   ("when_it_breaks", lesson07, [lines0, lines1])):
                 if not ok:
                     failures.append((round_, name, said))
     finally:

@@ -4,6 +4,6 @@
 - diffs: the diff between two numbered scripts, hunk by hunk, read from the repository when the notebook runs
 - diagrams: flows and sequence diagrams
 - ddp_concepts: 01's experiments in a real 2-process gloo group
-- ddp_machinery: 05's experiments on DDP's machinery
-- diagnosis: 07's broken runs and the tools that diagnose them
+- ddp_machinery: ddp_under_the_hood's experiments on DDP's machinery
+- diagnosis: when_it_breaks's broken runs and the tools that diagnose them
 """

@@ -1,5 +1,5 @@
-"""09's experiments: DDP built in steps (naive; a hook per parameter; buckets: lessons.my_ddp.MyDDP), each run
-in real gloo groups and compared with torch's DistributedDataParallel; the classic mistakes; no_sync; the
+"""build_ddp_yourself's experiments: DDP built in steps (naive; a hook per parameter; buckets: lessons.my_ddp.MyDDP),
+each run in real gloo groups and compared with torch's DistributedDataParallel; the classic mistakes; no_sync; the
 unused-parameter hang; and the step times of each version beside their bounds."""
 import re
 import statistics
@@ -338,8 +338,8 @@ def unused_parameter(rank, world_size, linger=5.0):
 
 
 def lesson(rank, world_size, linger=5.0):
-    """Everything 09 runs in one group, the group-breaking experiment last (`linger`: longer than the group's
-    collective timeout)."""
+    """Everything build_ddp_yourself runs in one group, the group-breaking experiment last (`linger`: longer
+    than the group's collective timeout)."""
     return {"equality": equality(rank, world_size), "division": division_orders(rank, world_size),
             "mistakes": mistakes(rank, world_size), "accumulation": accumulation(rank, world_size),
             "no_sync patterns": no_sync_patterns(rank, world_size),

@@ -1,5 +1,5 @@
-"""05's experiments on DDP's machinery, each in a real 2-process gloo group: gradients before and after the
-all-reduce, communication timed against backward (overlap), unused parameters, BatchNorm buffers, uneven inputs
+"""ddp_under_the_hood's experiments on DDP's machinery, each in a real 2-process gloo group: gradients before and after
+the all-reduce, communication timed against backward (overlap), unused parameters, BatchNorm buffers, uneven inputs
 and Join."""
 import time
 
