@@ -86,3 +86,16 @@ def test_each_lecture_ends_with_exercises_whose_worked_solutions_ran(name):
     for cell in solutions:
         assert cell.cell_type == "code" and cell.execution_count and cell.outputs, cell.source[:80]
         assert not [o for o in cell.outputs if o.output_type == "error"], cell.source[:80]
+
+
+def test_the_workshop_plan_shows_the_measured_figures():
+    """docs/workshop.md's tables are what tools/workshop_times.py makes of docs/workshop_times.json, which holds a
+    measured figure for every lecture (re-measure after a lecture changes much: python tools/workshop_times.py)."""
+    import json
+
+    import workshop_times
+
+    figures = json.loads(workshop_times.FIGURES.read_text())
+    assert sorted(figures["lectures"]) == sorted(NAMES)
+    tables = workshop_times.table(figures) + "\n\n" + workshop_times.plans(figures)
+    assert tables in (REPO / "docs" / "workshop.md").read_text(), tables

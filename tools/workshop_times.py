@@ -21,6 +21,13 @@ import notebooks  # noqa: E402
 
 FIGURES = REPO / "docs" / "workshop_times.json"
 WORDS_PER_MINUTE = 150  # an assumed pace for reading technical prose aloud or alone: not measured
+EXERCISE_MINUTES = 5  # an assumed time for attendees to predict an exercise's answer, before its solution runs
+# The two plans of docs/workshop.md: which lectures, and which exercises of each (all, unless a number is given).
+PLANS = {
+    "Half day": {"00_single_gpu": 1, "01_mp_spawn": 2, "02_torchrun": 1, "04_fault_tolerant": 1},
+    "Full day": {"00_single_gpu": 1, "01_mp_spawn": 2, "02_torchrun": 1, "03_multinode": 1, "04_fault_tolerant": 2,
+                 "ddp_under_the_hood": 1, "when_it_breaks": 1, "05_fsdp": 1},
+}
 
 
 def seconds(cell):
@@ -55,9 +62,32 @@ def table(figures):
     return "\n".join(rows)
 
 
+def plans(figures):
+    """Each plan's minutes per lecture: reading (assumed pace) + the lecture's run (measured) + its exercises
+    (assumed minutes each, plus their solutions' measured run)."""
+    out = []
+    for plan, chosen in PLANS.items():
+        rows = [f"**{plan}**", "", "| lecture | reading (assumed) | running (measured) | exercises | total |",
+                "|---|---|---|---|---|"]
+        total = 0
+        for name, exercises in chosen.items():
+            figure = figures["lectures"][name]
+            reading, running = figure["words"] / WORDS_PER_MINUTE, figure["run_s"] / 60
+            share = exercises / figure["exercises"]
+            practice = exercises * EXERCISE_MINUTES + share * figure["solutions_s"] / 60
+            minutes = reading + running + practice
+            total += minutes
+            rows.append(f"| {name} | {reading:.0f} min | {running:.1f} min | {exercises} of {figure['exercises']}: "
+                        f"{practice:.0f} min | {minutes:.0f} min |")
+        rows += [f"| **all** | | | | **{total / 60:.1f} h** |", ""]
+        out += rows
+    return "\n".join(out)
+
+
 def main(args):
     if "--table" in args:
-        print(table(json.loads(FIGURES.read_text())))
+        figures = json.loads(FIGURES.read_text())
+        print(table(figures) + "\n\n" + plans(figures))
         return 0
     figures = {"measured": time.strftime("%Y-%m-%d", time.gmtime()), "python": platform.python_version(),
                "torch": notebooks.torch_version(), "cores": len(os.sched_getaffinity(0)),
@@ -66,7 +96,7 @@ def main(args):
         figures["lectures"][name] = measure(name)
         print(f"{name}: {figures['lectures'][name]}", flush=True)
     FIGURES.write_text(json.dumps(figures, indent=1) + "\n")
-    print(table(figures))
+    print(table(figures) + "\n\n" + plans(figures))
     return 0
 
 
