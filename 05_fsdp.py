@@ -531,7 +531,9 @@ def main(args):
     # runs other threads (torch's, gloo's, the loaders'), and one may hold a lock at the fork that the new worker
     # then waits for forever (pytorch/pytorch#130610; Python 3.14 makes it the default on Linux). It imports torch
     # once, so that each worker starts in milliseconds and shares that memory rather than importing torch anew
-    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    # (and the two big packages this step adds: each worker still runs the script's imports)
+    multiprocessing.set_forkserver_preload(["torch", "torchvision", "torch.distributed.checkpoint",
+                                            "torch.distributed.fsdp"])
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                           pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
                           multiprocessing_context="forkserver" if args.num_workers > 0 else None,

@@ -435,7 +435,10 @@ def check_missing(report, env, facts):
     missing = sorted(set(range(env["world_size"])) - set(facts))
     if not missing:
         return
-    if len({fact["local_world_size"] for fact in facts.values()}) > 1:  # rank // count would name the wrong node
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 0))  # torchrun's count of nodes (agents)
+    uneven = len({fact["local_world_size"] for fact in facts.values()}) > 1 or \
+        (nodes and nodes * env["local_world_size"] != env["world_size"])  # a node of another count reported nothing
+    if uneven:  # rank // count would name the wrong node
         report.problem("missing", f"rank(s) {','.join(map(str, missing))} never checked in within the timeout (the "
                        "nodes run different numbers of processes, so their node cannot be told from their rank)",
                        "start the same command on every node, with the same --nproc_per_node, and read the output "

@@ -1,9 +1,9 @@
 """The small GPT of gpt_single.py, ported to torchrun by the ladder's steps: the same training on N processes.
 
 `diff port/gpt_single.py port/gpt_ddp.py` is the whole port; each statement or block it adds names the step (00-04)
-or lesson (05-08) that taught it: step 01's exact validation sums and loss check all ranks agree on, on a transformer.
-What a real run adds: clipping after the all-reduce, warm-up counted in steps of a larger global batch, a median
-gathered from uneven shards, one snapshot all ranks resume from, one text (the same bytes on every rank).
+that taught it, or "port lesson" for what the port's lesson adds: step 01's exact validation sums and loss check
+all ranks agree on, on a transformer. What a real run adds: clipping after the all-reduce, warm-up counted in
+steps of a larger global batch, a median gathered from uneven shards, one snapshot all ranks resume from, one text.
 
   torchrun --standalone --nproc_per_node=2 port/gpt_ddp.py                        # 2 processes (or GPUs)
   torchrun --standalone --nproc_per_node=2 port/gpt_ddp.py --checkpoint gpt.pt   # SIGTERM it, run it again

@@ -63,8 +63,8 @@ def table(figures):
 
 
 def plans(figures):
-    """Each plan's minutes per lecture: reading (assumed pace) + the lecture's run (measured) + its exercises
-    (assumed minutes each, plus their solutions' measured run)."""
+    """Each plan's minutes per lecture: reading (assumed pace) + the lecture's run less its solution cells
+    (measured) + its chosen exercises (assumed minutes each, plus their share of the solutions' measured run)."""
     out = []
     for plan, chosen in PLANS.items():
         rows = [f"**{plan}**", "", "| lecture | reading (assumed) | running (measured) | exercises | total |",
@@ -72,14 +72,17 @@ def plans(figures):
         total = 0
         for name, exercises in chosen.items():
             figure = figures["lectures"][name]
-            reading, running = figure["words"] / WORDS_PER_MINUTE, figure["run_s"] / 60
+            reading = figure["words"] / WORDS_PER_MINUTE
+            running = (figure["run_s"] - figure["solutions_s"]) / 60  # the solutions count with their exercises
             share = exercises / figure["exercises"]
             practice = exercises * EXERCISE_MINUTES + share * figure["solutions_s"] / 60
             minutes = reading + running + practice
             total += minutes
             rows.append(f"| {name} | {reading:.0f} min | {running:.1f} min | {exercises} of {figure['exercises']}: "
                         f"{practice:.0f} min | {minutes:.0f} min |")
-        rows += [f"| **all** | | | | **{total / 60:.1f} h** |", ""]
+        breaks = 15 * int(total // 90)
+        rows += [f"| **all** | | | | **{total / 60:.1f} h**, with {breaks} min of breaks (15 per 90 min) "
+                 f"**{(total + breaks) / 60:.1f} h** |", ""]
         out += rows
     return "\n".join(out)
 
