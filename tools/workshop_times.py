@@ -46,7 +46,8 @@ def measure(name):
     prose = " ".join(cell.source for cell in executed.cells if cell.cell_type == "markdown")
     solutions = [cell for cell in executed.cells if "solution" in cell.metadata.get("tags", [])]
     return {"run_s": round(total, 1), "solutions_s": round(sum(seconds(cell) for cell in solutions), 1),
-            "exercises": len(re.findall(r"^### Exercise", prose, re.M)),
+            "exercises": sum(1 for cell in executed.cells
+                             if cell.cell_type == "markdown" and re.search(r"^### Exercise", cell.source, re.M)),
             "words": len(re.findall(r"\w+", re.sub(r"`[^`]*`", "x", prose)))}
 
 
