@@ -99,3 +99,38 @@ def test_the_workshop_plan_shows_the_measured_figures():
     assert sorted(figures["lectures"]) == sorted(NAMES)
     tables = workshop_times.table(figures) + "\n\n" + workshop_times.plans(figures)
     assert tables in (REPO / "docs" / "workshop.md").read_text(), tables
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_handout_keeps_every_question_and_no_answer(name):
+    """tools/handout.py (docs/workshop.md): each exercise's heading and question stay, every solution cell and the
+    answer after it go, and nothing before the first solution changes."""
+    import handout
+
+    lecture = committed(name)
+    given = handout.without_answers(lecture).cells
+    first = next(i for i, cell in enumerate(lecture.cells) if "solution" in cell.metadata.get("tags", []))
+    assert given[:first] == lecture.cells[:first]
+    assert not [cell for cell in given if "solution" in cell.metadata.get("tags", [])]
+    text = "\n".join(cell.source for cell in given)
+    assert "**Answer.**" not in text and "# Solution" not in text
+    headings = re.compile(r"^### Exercise \d+$", re.M)
+    assert headings.findall(text) == headings.findall("\n".join(cell.source for cell in lecture.cells))
+    for cell in given[first:]:  # what stays is the lecture's own text: a whole cell, or its end from a heading on
+        assert any(cell.source and original.source.endswith(cell.source) for original in lecture.cells)
+
+
+def test_the_handout_is_a_clone_without_answers(tmp_path):
+    """The tool clones the committed course and takes the answers out of its notebooks and their sources."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "handout.py"), str(tmp_path / "handout")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in NAMES:
+        assert not (tmp_path / "handout" / "notebooks" / f"{name}.md").exists()
+        lecture = nbformat.read(tmp_path / "handout" / "notebooks" / f"{name}.ipynb", as_version=4)
+        assert not [cell for cell in lecture.cells if "solution" in cell.metadata.get("tags", [])], name
+    again = subprocess.run([sys.executable, str(REPO / "tools" / "handout.py"), str(tmp_path / "handout")],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and "exists" in again.stderr  # never writes over a folder that is there

@@ -68,8 +68,9 @@ def test_legacy_launcher_passes_a_local_rank_argument_the_scripts_do_not_take():
 
 @pytest.mark.launch
 def test_a_second_job_on_the_same_master_port_fails_at_once_naming_the_port():
-    """Two jobs on one machine, both given --master_port P (or both left at the default 29500): the second agent
-    cannot open its store there and stops at once; the first goes on. (--standalone takes a free port instead.)"""
+    """Two jobs on one machine, both given the same --master_port P: the second agent cannot open its store there
+    and stops at once; the first goes on. (Without --master_port, torch 2.15's torchrun gives a one-node job a free
+    port, as --standalone does; on 2.9.1, or for a multi-node static job, both would take 29500.)"""
     port = free_port()
     job = [TORCHRUN, "--nnodes=1", "--nproc_per_node=1", f"--master_port={port}", "02_torchrun.py", *TRAIN]
     first = start(job, nodes_env())

@@ -22,12 +22,15 @@ import notebooks  # noqa: E402
 FIGURES = REPO / "docs" / "workshop_times.json"
 WORDS_PER_MINUTE = 150  # an assumed pace for reading technical prose aloud or alone: not measured
 EXERCISE_MINUTES = 5  # an assumed time for attendees to predict an exercise's answer, before its solution runs
-# The two plans of docs/workshop.md: which lectures, and which exercises of each (all, unless a number is given).
+# The two plans of docs/workshop.md: which lectures, and how many of each one's exercises (which ones: its prose).
 PLANS = {
     "Half day": {"00_single_gpu": 1, "01_mp_spawn": 2, "02_torchrun": 1, "04_fault_tolerant": 1},
     "Full day": {"00_single_gpu": 1, "01_mp_spawn": 2, "02_torchrun": 1, "03_multinode": 1, "04_fault_tolerant": 2,
                  "ddp_under_the_hood": 1, "when_it_breaks": 1, "05_fsdp": 1},
 }
+# Talks that are not lectures, in a plan before the lecture named, with their minutes (assumed): the half day
+# skips 03, whose ideas 04's lecture assumes.
+BRIDGES = {"Half day": {"04_fault_tolerant": ("a bridge: 03's RANK and LOCAL_RANK, told", 10)}}
 
 
 def seconds(cell):
@@ -72,6 +75,10 @@ def plans(figures):
                 "|---|---|---|---|---|"]
         total = 0
         for name, exercises in chosen.items():
+            if name in BRIDGES.get(plan, {}):
+                talk, minutes = BRIDGES[plan][name]
+                total += minutes
+                rows.append(f"| {talk} | {minutes} min (assumed) | | | {minutes} min |")
             figure = figures["lectures"][name]
             reading = figure["words"] / WORDS_PER_MINUTE
             running = (figure["run_s"] - figure["solutions_s"]) / 60  # the solutions count with their exercises
