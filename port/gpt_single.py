@@ -1,9 +1,10 @@
 """A small GPT trained on one device: the script people bring to the port, as they write it.
 
 A byte-level decoder-only transformer learns the text in port/data/ (or --data FILE): AdamW, linear warm-up then
-cosine decay, gradient clipping, bf16 autocast (--amp), a validation loss every --eval-every steps, snapshots
-that resume exactly (--checkpoint), and a few lines sampled at the end. Read it top to bottom, then
-`diff port/gpt_single.py port/gpt_ddp.py`: that diff is the whole port, each line naming the step that taught it.
+cosine decay, gradient clipping, bf16 autocast (--amp; --amp fp16 adds a GradScaler), a validation loss every
+--eval-every steps, snapshots that resume exactly (--checkpoint), and a few lines sampled at the end. Read it top
+to bottom, then `diff port/gpt_single.py port/gpt_ddp.py`: that diff is the whole port, each line naming the step
+that taught it.
 
   python port/gpt_single.py                             # ~1.5 min on 2 CPU cores; final validation loss ~1.7
   python port/gpt_single.py --checkpoint gpt.pt         # stop it, run it again: it resumes from its last snapshot
@@ -51,7 +52,9 @@ def parse_args(argv=None):
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows each validation reads")
     parser.add_argument("--log-every", type=int, default=50, help="optimizer steps between progress lines")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--amp", action="store_true", help="bf16 autocast (CPU, and GPUs that have bf16)")
+    parser.add_argument("--amp", nargs="?", const="bf16", choices=["bf16", "fp16"],
+                        help="mixed precision: --amp is bf16 autocast (CPU, and GPUs that have bf16); --amp fp16 adds "
+                             "a GradScaler (GPUs without bf16; on a CPU too, slowly)")
     parser.add_argument("--checkpoint", default=None, help="snapshot here; a run finding one resumes from it")
     parser.add_argument("--save-every-steps", type=int, default=200, help="optimizer steps between snapshots")
     parser.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON line per step here")
@@ -77,10 +80,9 @@ def parse_args(argv=None):
         parser.error("--device cuda, but PyTorch sees no GPU")
     # native bf16 only: the default, including_emulation=True, also accepts GPUs older than Ampere, which emulate
     # it slowly (torch.cuda.is_bf16_supported)
-    if args.amp and choose_device(args.device).type == "cuda" and \
+    if args.amp == "bf16" and choose_device(args.device).type == "cuda" and \
             not torch.cuda.is_bf16_supported(including_emulation=False):
-        parser.error("--amp: this GPU has no native bf16 (fp16 would need a GradScaler, which this script "
-                     "leaves out)")
+        parser.error("--amp: this GPU has no native bf16; use --amp fp16 (with its GradScaler)")
     return args
 
 
@@ -179,9 +181,12 @@ def choose_device(name):
     return torch.device(name)
 
 
-def autocast(device, enabled):
-    # bf16 keeps fp32's range: no loss scaling, no GradScaler; the weights and the optimizer stay in fp32
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+def autocast(device, amp):
+    # bf16 keeps fp32's range: no loss scaling needed; fp16's is narrow, so its small gradients need a GradScaler
+    # (main). Either way the weights and the optimizer stay in fp32
+    if amp is None:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
 def log(message):
@@ -272,17 +277,23 @@ def main(args):
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
                                    {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
+    # --amp fp16: the loss multiplied by a scale before backward, so that small gradients survive fp16; the scale
+    # halves after a step whose gradients overflowed (that step skipped) and grows after 2000 good ones. Otherwise
+    # every call below passes through unchanged
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     start_step, position = 0, 0  # position: training windows used so far
     if snapshot:
         optimizer.load_state_dict(snapshot["optimizer"])  # AdamW's moments: without them the next steps differ
         scheduler.load_state_dict(snapshot["scheduler"])  # where in warm-up and decay the run is
+        if scaler.is_enabled():
+            scaler.load_state_dict(snapshot["scaler"])  # its scale and the count of good steps since it last grew
         start_step, position = snapshot["step"], snapshot["position"]  # where in the data
         log(f"resumed from {args.checkpoint}: step {start_step} of {args.steps}")
     # no RNG state to save: dropout draws from a seed made of --seed and the position in the data
 
     def make_snapshot(step):  # everything the next step depends on, not only the weights
         return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": step, "position": position,
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "position": position,
                 "data_sha256": digest, "args": vars(args)}
 
     global_batch = args.batch_size * args.grad_accum
@@ -300,19 +311,21 @@ def main(args):
             with autocast(device, args.amp):
                 logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            (loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
+            scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
             step_loss += loss.detach() / args.grad_accum
         # stop at the first non-finite loss, before it reaches the weights or a snapshot
         loss_value = step_loss.item()
         if not math.isfinite(loss_value):
             fail(f"the loss is {loss_value} at step {step + 1}; the last snapshot, if any, holds finite weights (the "
                  "steps since it are lost); try a lower --lr")
+        scaler.unscale_(optimizer)  # the true gradients (divided by the scale) before their norm meets --grad-clip
         # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16: an overflow; the scaler skips the step
             fail(f"the gradient norm is {grad_norm} at step {step + 1}; try a lower --lr")
         norms.append(grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)  # optimizer.step(), unless the gradients hold an inf or a NaN (fp16 only)
+        scaler.update()
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used; scheduler.step() sets the next
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them

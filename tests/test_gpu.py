@@ -7,6 +7,7 @@ Sized for one GPU and a few minutes in all: tiny data, few steps, one launch per
 `python -m torch.distributed.run`, which is torchrun itself, so the machine's Python needs no torchrun beside it.
 """
 import json
+import math
 import os
 import re
 import signal
@@ -170,13 +171,16 @@ def test_two_ranks_on_one_gpu_what_nccl_says(tmp_path):
 
 # --- the port, determinism, the preflight ---------------------------------------------------------------------------
 
-def test_the_port_trains_on_cuda_in_bf16(tmp_path):
-    output = ok(torchrun(1, "port/gpt_ddp.py", "--device", "cuda", "--amp", "--steps", "60", "--eval-every", "30",
-                         "--log-every", "10", "--metrics", tmp_path / "m.jsonl"))
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_the_port_trains_on_cuda(amp, tmp_path):
+    """bf16 autocast; fp16 with its GradScaler (unscale_ before clip_grad_norm_, overflowed steps skipped)."""
+    output = ok(torchrun(1, "port/gpt_ddp.py", "--device", "cuda", "--amp", amp, "--steps", "60", "--eval-every",
+                         "30", "--log-every", "10", "--metrics", tmp_path / "m.jsonl"))
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    losses, norms = [line["loss"] for line in lines], [line["grad_norm"] for line in lines]
     assert losses[-1] < losses[0], output[-2000:]
-    finding("port bf16 on cuda", first_loss=losses[0], last_loss=losses[-1])
+    finding(f"port {amp} on cuda", first_loss=losses[0], last_loss=losses[-1],
+            overflowed_steps=sum(not math.isfinite(norm) for norm in norms))
 
 
 DETERMINISTIC = """

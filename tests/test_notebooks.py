@@ -116,17 +116,25 @@ def test_the_handout_keeps_every_question_and_no_answer(name):
     assert "**Answer.**" not in text and "# Solution" not in text
     headings = re.compile(r"^### Exercise \d+$", re.M)
     assert headings.findall(text) == headings.findall("\n".join(cell.source for cell in lecture.cells))
-    for cell in given[first:]:  # what stays is the lecture's own text: a whole cell, or its end from a heading on
-        assert any(cell.source and original.source.endswith(cell.source) for original in lecture.cells)
+    notes = [cell for cell in given if cell.source == handout.NOTE]  # one where each exercise's solution was
+    assert len(notes) == len(headings.findall(text))
+    for cell in given[first:]:  # the rest is the lecture's own text: a whole cell, or its end from a heading on
+        assert cell in notes or any(cell.source and original.source.endswith(cell.source) for original in lecture.cells)
 
 
-def test_the_handout_is_a_clone_without_answers(tmp_path):
-    """The tool clones the committed course and takes the answers out of its notebooks and their sources."""
+def test_the_handout_is_a_repository_of_one_commit_without_answers(tmp_path):
+    """The tool copies the committed course, without its history (which holds every answer), takes the answers
+    out of its notebooks and their sources, and commits that alone: pushed as it is, it gives nothing away."""
     import subprocess
 
     done = subprocess.run([sys.executable, str(REPO / "tools" / "handout.py"), str(tmp_path / "handout")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    git = ["git", "-C", str(tmp_path / "handout")]
+    log = subprocess.run([*git, "log", "--all", "--format=%s"], capture_output=True, text=True, timeout=30)
+    status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, timeout=30)
+    assert log.stdout.splitlines() == ["ddp-steps: the workshop handout (no exercise answers)"] and not status.stdout
+    assert (tmp_path / "handout" / "HANDOUT.md").exists() and (tmp_path / "handout" / "01_mp_spawn.py").exists()
     for name in NAMES:
         assert not (tmp_path / "handout" / "notebooks" / f"{name}.md").exists()
         lecture = nbformat.read(tmp_path / "handout" / "notebooks" / f"{name}.ipynb", as_version=4)

@@ -1,17 +1,20 @@
-"""Makes a copy of the course to hand out in a workshop: the repository as committed, cloned into DEST, with every
-lecture's exercise answers taken out, so that attendees predict before they see them (docs/workshop.md).
+"""Makes a copy of the course to hand out in a workshop: the committed course, without its history, in a new git
+repository at DEST with one commit, every lecture's exercise answers taken out, so that attendees predict before
+they see them (docs/workshop.md). Push DEST where attendees clone it: nothing in it holds an answer.
 
-    python tools/handout.py DEST        # e.g. ../ddp-steps-handout; DEST must not exist yet
+    .venv/bin/python tools/handout.py DEST        # e.g. ../ddp-steps-handout; DEST must not exist yet
 
 What goes: each cell tagged `solution`, and everything after it up to the next exercise or section heading (the
-answer in words, and the code that shows it). What stays: the lectures with their outputs as executed, and each
-exercise's heading and question. The lesson sources (notebooks/*.md) go too, for they hold the same answers; the
-handout's notebooks are therefore its own, and its tests of the notebooks fail (run the course's tests in the
-course, not in the handout). `git diff` in DEST shows exactly what was removed.
+answer in words, and the code that shows it), replaced by one line saying that the instructor shows it. What
+stays: the lectures with their outputs as executed, and each exercise's heading and question. The lesson sources
+(notebooks/*.md) go too, for they hold the same answers; so in the handout `make test` fails (its notebook
+tests), and links to those sources are dead: run the course's tests in the course. HANDOUT.md at its top says so.
 """
+import io
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import nbformat
@@ -22,6 +25,15 @@ import notebooks  # noqa: E402
 
 # Where an answer ends: the next exercise, or the next section (## ...) such as "What this notebook does not cover".
 ANSWER_ENDS = re.compile(r"^(### Exercise|## )")
+NOTE = "*(Handout: the solution is not in this copy; your instructor shows it once you have predicted.)*"
+README = """# ddp-steps: the workshop handout
+
+The course as committed, without its history and without the exercises' answers (made by `tools/handout.py`).
+The answers come on the day; the whole course, with them, after it. Because the lesson sources
+(`notebooks/*.md`) are not here, `make test` fails its notebook tests and links to those files are dead: run the
+tests in the course itself. Everything else (`make setup`, `make demo`, the scripts, the notebooks) works as
+there.
+"""
 
 
 def without_answers(notebook):
@@ -30,6 +42,8 @@ def without_answers(notebook):
     kept, in_answer = [], False
     for cell in notebook.cells:
         if "solution" in cell.metadata.get("tags", []):
+            if not in_answer:
+                kept.append(nbformat.v4.new_markdown_cell(NOTE))
             in_answer = True
         elif cell.cell_type == "markdown":
             lines = cell.source.splitlines(keepends=True)
@@ -48,13 +62,22 @@ def main(destination):
     destination = Path(destination).resolve()
     if destination.exists():
         sys.exit(f"error: {destination} exists; give a new folder")
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(destination)], check=True, timeout=300)
+    committed = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "HEAD"], capture_output=True,
+                               check=True, timeout=300).stdout  # the files of the last commit, no history
+    destination.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(committed)) as archive:
+        archive.extractall(destination, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
     for name in notebooks.names():
         path = destination / "notebooks" / f"{name}.ipynb"
         nbformat.write(without_answers(nbformat.read(path, as_version=4)), path)
         (destination / "notebooks" / f"{name}.md").unlink()
-    print(f"{destination}: the course without its {len(notebooks.names())} lectures' exercise answers "
-          f"(git -C {destination} diff --stat shows what went)")
+    (destination / "HANDOUT.md").write_text(README)
+    git = ["git", "-C", str(destination), "-c", "user.name=ddp-steps handout", "-c", "user.email=handout@invalid"]
+    for command in (["init", "--quiet", "--initial-branch=main"], ["add", "--all"],
+                    ["commit", "--quiet", "--message", "ddp-steps: the workshop handout (no exercise answers)"]):
+        subprocess.run(git + command, check=True, timeout=120)
+    print(f"{destination}: the course without its history and its {len(notebooks.names())} lectures' exercise "
+          "answers, one commit: push it where attendees clone it")
 
 
 if __name__ == "__main__":
