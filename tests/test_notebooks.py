@@ -135,10 +135,24 @@ def test_the_handout_is_a_repository_of_one_commit_without_answers(tmp_path):
     status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, timeout=30)
     assert log.stdout.splitlines() == ["ddp-steps: the workshop handout (no exercise answers)"] and not status.stdout
     assert (tmp_path / "handout" / "HANDOUT.md").exists() and (tmp_path / "handout" / "01_mp_spawn.py").exists()
+    import handout
+
+    answers = set()  # each removed answer's lines of prose, and each solution's "# Solution: ..." line
     for name in NAMES:
         assert not (tmp_path / "handout" / "notebooks" / f"{name}.md").exists()
         lecture = nbformat.read(tmp_path / "handout" / "notebooks" / f"{name}.ipynb", as_version=4)
         assert not [cell for cell in lecture.cells if "solution" in cell.metadata.get("tags", [])], name
+        kept = "\n".join(cell.source for cell in lecture.cells)
+        for cell in committed(name).cells:
+            if "solution" in cell.metadata.get("tags", []):
+                answers.update(line for line in cell.source.splitlines() if line.startswith("# Solution"))
+            elif cell.cell_type == "markdown":
+                answers.update(line for line in cell.source.splitlines() if len(line) > 50 and line not in kept)
+    files = subprocess.run([*git, "ls-files", "-z"], capture_output=True, text=True, timeout=30).stdout.split("\0")
+    texts = {path: (tmp_path / "handout" / path).read_bytes().decode(errors="ignore") for path in files if path}
+    found = {path: line for path, text in texts.items() for line in answers if line in text}
+    assert not found, found  # the port's training text among them: made from earlier lesson sources
+    assert handout.EXERCISES_START.search(texts[str(handout.PROSE)]) is None
     again = subprocess.run([sys.executable, str(REPO / "tools" / "handout.py"), str(tmp_path / "handout")],
                            capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "exists" in again.stderr  # never writes over a folder that is there

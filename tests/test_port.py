@@ -8,6 +8,7 @@ together, with one line and exit status 1; ranks that read different texts refus
 Tiny settings: a text the tests make, a one-block model, a few steps. The 2-process runs are made once per session
 (`runs`) and serve several claims."""
 import contextlib
+import functools
 import inspect
 import io
 import json
@@ -334,6 +335,21 @@ def test_fp16_with_a_grad_scaler_clips_the_true_gradient_and_resumes_exactly(tex
     assert resumed["step"] == whole["step"] == 6 and resumed["scaler"] == whole["scaler"] != {}
     assert all(torch.equal(whole["model"][key], resumed["model"][key]) for key in whole["model"])
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_an_fp16_step_whose_gradients_overflow_is_skipped_and_the_run_goes_on(text, tmp_path, monkeypatch):
+    """--amp fp16 with a scale so large (2**40) that every scaled gradient overflows fp16 (its largest: 65504):
+    the scaler skips each step instead of the run stopping on a non-finite norm, as an fp32 run would; the norm is
+    logged as infinite, the optimizer never steps, and the scale halves at each skipped step."""
+    single = load_script(SINGLE)
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**40))
+    metrics, checkpoint = tmp_path / "m.jsonl", tmp_path / "fp16.pt"
+    single.main(single.parse_args([*TINY, "--data", str(text), "--batch-size", "4", "--amp", "fp16", "--metrics",
+                                   str(metrics), "--checkpoint", str(checkpoint)]))
+    norms = [json.loads(line)["grad_norm"] for line in metrics.read_text().splitlines()]
+    snapshot = torch.load(checkpoint, weights_only=True)
+    assert len(norms) == 6 and not any(math.isfinite(norm) for norm in norms)
+    assert snapshot["optimizer"]["state"] == {} and snapshot["scaler"]["scale"] == 2.0 ** (40 - 6)
 
 
 @pytest.mark.launch

@@ -1,6 +1,7 @@
 """Makes a copy of the course to hand out in a workshop: the committed course, without its history, in a new git
 repository at DEST with one commit, every lecture's exercise answers taken out, so that attendees predict before
-they see them (docs/workshop.md). Push DEST where attendees clone it: nothing in it holds an answer.
+they see them (docs/workshop.md). Push DEST where attendees clone it: nothing in it holds an answer
+(tests/test_notebooks.py looks for each in its files and its history).
 
     .venv/bin/python tools/handout.py DEST        # e.g. ../ddp-steps-handout; DEST must not exist yet
 
@@ -8,7 +9,9 @@ What goes: each cell tagged `solution`, and everything after it up to the next e
 answer in words, and the code that shows it), replaced by one line saying that the instructor shows it. What
 stays: the lectures with their outputs as executed, and each exercise's heading and question. The lesson sources
 (notebooks/*.md) go too, for they hold the same answers; so in the handout `make test` fails (its notebook
-tests), and links to those sources are dead: run the course's tests in the course. HANDOUT.md at its top says so.
+tests), and links to those sources are dead: run the course's tests in the course. And the port's built-in text,
+port/data/ddp_steps_prose.txt, made from earlier lesson sources, loses its exercise sections (questions and answers),
+so the port's runs there print other numbers than the port lecture shows. HANDOUT.md at its top says so.
 """
 import io
 import re
@@ -25,14 +28,19 @@ import notebooks  # noqa: E402
 
 # Where an answer ends: the next exercise, or the next section (## ...) such as "What this notebook does not cover".
 ANSWER_ENDS = re.compile(r"^(### Exercise|## )")
+# In a text of lessons: where an exercise section starts, and where the next section or lesson does.
+EXERCISES_START = re.compile(r"^(##+ (\d+\. )?Exercises\b|### Exercise \d)")
+SECTION_START = re.compile(r"^#{1,2} ")
+PROSE = Path("port") / "data" / "ddp_steps_prose.txt"
 NOTE = "*(Handout: the solution is not in this copy; your instructor shows it once you have predicted.)*"
 README = """# ddp-steps: the workshop handout
 
 The course as committed, without its history and without the exercises' answers (made by `tools/handout.py`).
 The answers come on the day; the whole course, with them, after it. Because the lesson sources
 (`notebooks/*.md`) are not here, `make test` fails its notebook tests and links to those files are dead: run the
-tests in the course itself. Everything else (`make setup`, `make demo`, the scripts, the notebooks) works as
-there.
+tests in the course itself. The port's built-in text (`port/data/ddp_steps_prose.txt`, made from earlier
+lessons) has lost its exercise sections, so the port's runs print other numbers here than its lecture shows.
+Everything else (`make setup`, `make demo`, the scripts, the notebooks) works as there.
 """
 
 
@@ -58,6 +66,20 @@ def without_answers(notebook):
     return nbformat.from_dict({**notebook, "cells": kept})
 
 
+def without_exercises(text):
+    """A text of lessons without its exercise sections: from each exercises heading to the next section (## ...)
+    or lesson (# ...)."""
+    kept, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if EXERCISES_START.match(line):
+            skipping = True
+        elif SECTION_START.match(line):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "".join(kept)
+
+
 def main(destination):
     destination = Path(destination).resolve()
     if destination.exists():
@@ -71,6 +93,7 @@ def main(destination):
         path = destination / "notebooks" / f"{name}.ipynb"
         nbformat.write(without_answers(nbformat.read(path, as_version=4)), path)
         (destination / "notebooks" / f"{name}.md").unlink()
+    (destination / PROSE).write_text(without_exercises((destination / PROSE).read_text()))
     (destination / "HANDOUT.md").write_text(README)
     git = ["git", "-C", str(destination), "-c", "user.name=ddp-steps handout", "-c", "user.email=handout@invalid"]
     for command in (["init", "--quiet", "--initial-branch=main"], ["add", "--all"],

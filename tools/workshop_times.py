@@ -30,7 +30,7 @@ PLANS = {
 }
 # Talks that are not lectures, in a plan before the lecture named, with their minutes (assumed): the half day
 # skips 03, whose ideas 04's lecture assumes.
-BRIDGES = {"Half day": {"04_fault_tolerant": ("a bridge: 03's RANK and LOCAL_RANK, told", 10)}}
+BRIDGES = {"Half day": {"04_fault_tolerant": ("a bridge: 03's sections 1 and 2, told", 10)}}
 
 
 def seconds(cell):
