@@ -1,0 +1,50 @@
+"""Groundwork for issue 37 (step 05 built on the meta device): what a sharded initialisation gives on the CPU.
+
+A layer built on the meta device, sharded by fully_shard over 2 gloo ranks, materialised with to_empty and
+initialised with its own reset_parameters, every rank seeded alike, as the FSDP2 tutorial does on GPUs. On CUDA,
+DTensor's random ops draw each shard from its place in one stream (OffsetBasedRNGTracker). On the CPU that tracker
+refuses to start (torch/distributed/tensor/_random.py: "requires the presence of CUDA/CUDA-like/XPU device"), so
+each rank fills its own shard from its own generator: with the same seed, every shard is the same numbers.
+
+    .venv/bin/python tools/repro_meta_init_cpu.py      # a few seconds; prints what it found
+"""
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def worker(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    with torch.device("meta"):
+        layer = torch.nn.Linear(4, 6)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (2,)))
+    layer.to_empty(device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        layer.reset_parameters()
+    gathered = layer.weight.full_tensor().detach()
+    torch.manual_seed(0)
+    unsharded = torch.nn.Linear(4, 6).weight.detach()
+    if rank == 0:
+        print(f"torch {torch.__version__}, 2 gloo ranks, Linear(4, 6) on the meta device, fully_shard, to_empty, "
+              "reset_parameters after torch.manual_seed(0) on every rank")
+        print("rank 0's rows equal rank 1's:", torch.equal(gathered[:3], gathered[3:]))
+        print("the gathered weight equals the unsharded init of the same seed:", torch.equal(gathered, unsharded))
+        print("rank 0's rows equal the unsharded init's first rows:", torch.equal(gathered[:3], unsharded[:3]))
+        print("warnings:", sorted({str(warning.message) for warning in caught}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    mp.spawn(worker, args=(free,), nprocs=2)
