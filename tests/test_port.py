@@ -340,7 +340,7 @@ def test_fp16_with_a_grad_scaler_clips_the_true_gradient_and_resumes_exactly(tex
 def test_an_fp16_step_whose_gradients_overflow_is_skipped_and_the_run_goes_on(text, tmp_path, monkeypatch):
     """--amp fp16 with a scale so large (2**40) that every scaled gradient overflows fp16 (its largest: 65504):
     the scaler skips each step instead of the run stopping on a non-finite norm, as an fp32 run would; the norm is
-    logged as infinite, the optimizer never steps, and the scale halves at each skipped step."""
+    logged as not finite (NaN here), the optimizer never steps, and the scale halves at each skipped step."""
     single = load_script(SINGLE)
     monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**40))
     metrics, checkpoint = tmp_path / "m.jsonl", tmp_path / "fp16.pt"

@@ -1,7 +1,8 @@
 """Makes a copy of the course to hand out in a workshop: the committed course, without its history, in a new git
 repository at DEST with one commit, every lecture's exercise answers taken out, so that attendees predict before
-they see them (docs/workshop.md). Push DEST where attendees clone it: nothing in it holds an answer
-(tests/test_notebooks.py looks for each in its files and its history).
+they see them (docs/workshop.md). Push DEST where attendees clone it: no removed answer is left in its files or
+its history (tests/test_notebooks.py looks for every line of them). The course's scripts, tests and comments stay
+as they are, and a curious reader finds some answers there (a test asserts what an exercise asks to predict).
 
     .venv/bin/python tools/handout.py DEST        # e.g. ../ddp-steps-handout; DEST must not exist yet
 
@@ -94,6 +95,8 @@ def main(destination):
         nbformat.write(without_answers(nbformat.read(path, as_version=4)), path)
         (destination / "notebooks" / f"{name}.md").unlink()
     (destination / PROSE).write_text(without_exercises((destination / PROSE).read_text()))
+    with open(destination / PROSE.parent / "README.md", "a") as readme:
+        readme.write("\nIn this handout the text's exercise sections were taken out (tools/handout.py).\n")
     (destination / "HANDOUT.md").write_text(README)
     git = ["git", "-C", str(destination), "-c", "user.name=ddp-steps handout", "-c", "user.email=handout@invalid"]
     for command in (["init", "--quiet", "--initial-branch=main"], ["add", "--all"],
