@@ -2,9 +2,10 @@
 
 A layer built on the meta device, sharded by fully_shard over 2 gloo ranks, materialised with to_empty and
 initialised with its own reset_parameters, every rank seeded alike, as the FSDP2 tutorial does on GPUs. On CUDA,
-DTensor's random ops draw each shard from its place in one stream (OffsetBasedRNGTracker). On the CPU that tracker
-refuses to start (torch/distributed/tensor/_random.py: "requires the presence of CUDA/CUDA-like/XPU device"), so
-each rank fills its own shard from its own generator: with the same seed, every shard is the same numbers.
+DTensor's random ops draw each shard from its place in one stream (OffsetBasedRNGTracker). On the CPU, DTensor's
+dispatch finds the mesh unsupported (is_rng_supported_mesh in torch/distributed/tensor/_random.py, which warns) and
+starts no tracker (torch/distributed/tensor/_dispatch.py), so each rank fills its own shard from its own
+generator: with the same seed, every shard is the same numbers (shown here on an even split, 6 rows on 2 ranks).
 
     .venv/bin/python tools/repro_meta_init_cpu.py      # a few seconds; prints what it found
 """
