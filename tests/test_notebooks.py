@@ -125,7 +125,8 @@ def test_the_handout_keeps_every_question_and_no_answer(name):
 def test_the_handout_is_a_repository_of_one_commit_without_answers(tmp_path):
     """The tool copies the committed course, without its history (which holds every answer), takes the answers
     out of its notebooks, their sources and the port's text, and commits that alone: no removed answer line is left
-    in any file (the scripts, tests and comments stay: some tell an answer, docs/workshop.md says so)."""
+    in any file (of the answers in words, each line over 50 characters; of the solution cells, each "# Solution"
+    line); the scripts, tests and comments stay: some tell an answer, docs/workshop.md says so."""
     import subprocess
 
     done = subprocess.run([sys.executable, str(REPO / "tools" / "handout.py"), str(tmp_path / "handout")],

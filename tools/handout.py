@@ -1,9 +1,10 @@
 """Makes a copy of the course to hand out in a workshop: the committed course, without its history, in a new git
 repository at DEST with one commit, every lecture's exercise answers taken out, so that attendees predict before
 they see them (docs/workshop.md). Push DEST where attendees clone it: no removed answer is left in its files or
-its history (tests/test_notebooks.py looks for each removed answer line over 50 characters and each "# Solution"
-line). The course's scripts, tests and comments stay
-as they are, and a curious reader finds some answers there (a test asserts what an exercise asks to predict).
+its history (tests/test_notebooks.py looks for each line over 50 characters of the answers in words it removed,
+and each "# Solution" line of the solution cells; not for their other code lines). The course's scripts, tests
+and comments stay as they are, and a curious reader finds some answers there (a test asserts what an exercise asks
+to predict).
 
     .venv/bin/python tools/handout.py DEST        # e.g. ../ddp-steps-handout; DEST must not exist yet
 
