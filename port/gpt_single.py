@@ -327,7 +327,9 @@ def main(args):
         scaler.step(optimizer)  # optimizer.step(), unless the gradients hold an inf or a NaN (fp16 only)
         scaler.update()
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used; scheduler.step() sets the next
-        scheduler.step()
+        with warnings.catch_warnings():  # a step the fp16 scaler skipped still counts in the schedule: no warning
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
         done, seconds = step + 1, time.perf_counter() - timer
         metrics = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,

@@ -158,15 +158,13 @@ def free_port():
 
 
 def run_group(worker, world_size, *args, timeout=120, collective_timeout=60):
-    """Runs `worker(rank, world_size, *args)` in `world_size` fresh processes that form a real gloo group
+    """Runs `worker(rank, world_size, *args)` in `world_size` new processes that form a real gloo group
     (see group_worker), and returns what each rank returned, in rank order."""
     import torch
-    import torch.multiprocessing as mp
 
     port, results_dir = free_port(), Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp-steps-group-{os.getpid()}"
     results_dir.mkdir(exist_ok=True)
-    context = mp.start_processes(group_worker, nprocs=world_size, join=False, start_method="spawn",
-                                 args=(world_size, port, str(results_dir), worker, args, collective_timeout))
+    context = start_group(world_size, port, str(results_dir), worker, args, collective_timeout)
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -181,6 +179,42 @@ def run_group(worker, world_size, *args, timeout=120, collective_timeout=60):
         (results_dir / f"{rank}.pt").unlink()
     results_dir.rmdir()
     return results
+
+
+# Modules every group process needs, imported once by the fork server (the scripts import torchvision, and a
+# first DDP or FSDP step imports torch._dynamo through it: seconds per process, were each a fresh interpreter).
+FORK_SERVER_PRELOAD = ["torch", "torchvision"]
+
+
+def start_group(world_size, port, results_dir, worker, args, collective_timeout):
+    """Starts `world_size` processes that each run group_worker(rank, ...), without waiting for them (a
+    torch.multiprocessing ProcessContext). They are forked from a fork server that imported torch once
+    (start method "forkserver": a fresh interpreter per rank, as "spawn" gives, spends seconds importing it),
+    and each takes this process's environment, working folder and sys.path as they are now, as a spawned one
+    would (a forked one has the server's, from when it started)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)  # used when this process first starts its server
+    caller = (dict(os.environ), os.getcwd(), list(sys.path), worker.__module__, worker.__qualname__)
+    return mp.start_processes(forked_group_worker, nprocs=world_size, join=False, start_method="forkserver",
+                              args=(caller, world_size, port, results_dir, args, collective_timeout))
+
+
+def forked_group_worker(rank, caller, world_size, port, results_dir, args, collective_timeout):
+    import torch.distributed as dist
+
+    environment, folder, path, module, name = caller
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(folder)
+    sys.path[:] = path
+    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when the server imported it
+    worker = importlib.import_module(module)  # by name, now that sys.path is the caller's
+    for part in name.split("."):
+        worker = getattr(worker, part)
+    group_worker(rank, world_size, port, results_dir, worker, args, collective_timeout)
 
 
 def group_worker(rank, world_size, port, results_dir, worker, args, collective_timeout):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, free_port, group_worker
+from helpers import REPO, free_port, start_group
 
 sys.path.insert(0, str(REPO / "notebooks"))
 from lessons import build_ddp  # noqa: E402
@@ -25,14 +25,12 @@ def groups():
     """Every experiment of the lesson in a group of 2 and one of 3, both at once (helpers.run_group runs one
     group at a time; each costs seconds to start, and the unused-parameter experiment waits out the timeout)."""
     import torch
-    import torch.multiprocessing as mp
 
     folder, contexts = Path(tempfile.mkdtemp(prefix="ddp-steps-build-ddp-")), {}
     for size in (2, 3):
         (folder / str(size)).mkdir()
-        contexts[size] = mp.start_processes(group_worker, nprocs=size, join=False, start_method="spawn", args=(
-            size, free_port(), str(folder / str(size)), build_ddp.lesson, (COLLECTIVE_TIMEOUT + 1,),
-            COLLECTIVE_TIMEOUT))
+        contexts[size] = start_group(size, free_port(), str(folder / str(size)), build_ddp.lesson,
+                                     (COLLECTIVE_TIMEOUT + 1,), COLLECTIVE_TIMEOUT)
     deadline = time.monotonic() + 90
     try:
         for size, context in contexts.items():

@@ -1,6 +1,6 @@
-"""04_fault_tolerant.py loses nothing: killed workers, a writer killed mid-write, a truncated or malicious
-snapshot, SIGTERM and SIGUSR1, and ten restarts in a row all end with exactly the parameters of a run that
-was never interrupted (bitwise: CPU, gloo, same seed). A resume that would change what the run computes is
+"""04_fault_tolerant.py loses nothing: ten workers killed at random steps in one run, a writer killed mid-write, a
+truncated or malicious snapshot, SIGTERM and SIGUSR1 all end with exactly the parameters of a run that was never
+interrupted (bitwise: CPU, gloo, same seed). A resume that would change what the run computes is
 refused; one that changes only how it runs goes on."""
 import contextlib
 import io
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.faults
 SCRIPT = "04_fault_tolerant.py"
 TRAIN = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
          "--save-every-steps", "4"]
-TRIALS = int(os.environ.get("FAULT_TRIALS", "2"))  # kill -9 trials; e.g. FAULT_TRIALS=20 for a longer soak
 
 
 def command(snapshot, max_restarts=0, *extra):
@@ -84,22 +83,6 @@ def assert_same_as_reference(reference, output, snapshot):
     assert checksums(output) == {checksum}
     expected, got = final_model(folder / "snapshot.pt"), final_model(snapshot)
     assert all(torch.equal(expected[key], got[key]) for key in expected), "bitwise equal to the uninterrupted run"
-
-
-@pytest.mark.parametrize("trial", range(TRIALS))
-def test_kill_9_of_a_worker_at_a_random_step_resumes_to_identical_parameters(reference, tmp_path, trial):
-    rng = random.Random(trial)
-    snapshot = tmp_path / "snapshot.pt"
-    agent, log = launch(tmp_path, "run", command(snapshot, max_restarts=3))
-    seen = wait_for_new_snapshot(snapshot, 0)
-    for _ in range(rng.randint(0, 3)):  # a random number of snapshots in, then a random moment
-        seen = wait_for_new_snapshot(snapshot, seen)
-    time.sleep(rng.uniform(0, 0.5))
-    rng.choice(workers(agent)).kill()
-    code, output = wait(agent, log)
-    assert code == 0, output[-3000:]
-    assert "resumed from" in output
-    assert_same_as_reference(reference, output, snapshot)
 
 
 def test_killing_the_writer_mid_write_keeps_the_previous_snapshot(reference, tmp_path):
@@ -210,16 +193,20 @@ def test_a_stop_by_a_signal_keeps_the_tensorboard_scalars_of_the_epochs_done(tmp
     assert steps == list(range(1, int(stopped.group(1)))), "every finished epoch's scalars, on disk"
 
 
-def test_ten_restarts_in_a_row_without_a_hang(reference, tmp_path):
-    """torchrun's shared rendezvous store (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the script's per-attempt
-    prefix is what keeps each restart clean. A worker is killed after every new snapshot, ten times."""
-    snapshot = tmp_path / "snapshot.pt"
+def test_ten_kill_9s_at_random_steps_in_one_run_each_resume_to_identical_parameters(reference, tmp_path):
+    """kill -9 of a random worker at a random step, ten times in a row in one run: each restart resumes from the
+    last snapshot (a snapshot every 2 steps; each kill comes a random, seeded 0-150 ms after a new one, so the steps
+    since it are lost and redone), and the run ends bitwise equal to the uninterrupted one. On torchrun's shared
+    rendezvous store (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the script's per-attempt prefix is what keeps each
+    restart clean."""
+    snapshot, rng = tmp_path / "snapshot.pt", random.Random(0)
     agent, log = launch(tmp_path, "run", command(snapshot, 10, "--save-every-steps", "2"),
                         environment(shared_store=True))
     seen = 0
     for kill in range(10):
         seen = wait_for_new_snapshot(snapshot, seen, timeout=90)
-        random.Random(kill).choice(workers(agent)).kill()
+        time.sleep(rng.uniform(0, 0.15))
+        rng.choice(workers(agent)).kill()
         # the next kill waits for the restart: a rank still writing when its peer died would otherwise give
         # a "new" snapshot at once, and the kill would hit a dying worker instead of a restarted one
         deadline = time.monotonic() + 90

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, free_port, group_worker
+from helpers import REPO, free_port, start_group
 
 sys.path.insert(0, str(REPO / "notebooks"))
 from lessons import fsdp_mistakes  # noqa: E402
@@ -22,18 +22,16 @@ GET_FULL, FULL_TENSOR, _ = fsdp_mistakes.RANK0_CALLS
 def groups():
     """Two groups of 2 at once, each ending with one group-breaking rank-0-only call (a gloo timeout leaves a
     process's groups unusable: one per group): the whole lesson with get_model_state_dict, and rank0_only alone
-    with full_tensor. (dcp.save on rank 0 alone times out alike; a third group would cost ~12 s on 2 cores.)
+    with full_tensor. (dcp.save on rank 0 alone times out alike: not run, as a third group would add two processes.)
     Returns {call: [rank 0's result, rank 1's]} and the scratch folder."""
     import torch
-    import torch.multiprocessing as mp
 
     folder, contexts = Path(tempfile.mkdtemp(prefix="ddp-steps-fsdp-mistakes-")), {}
     runs = {GET_FULL: fsdp_mistakes.lesson, FULL_TENSOR: fsdp_mistakes.rank0_only}
     for index, (call, worker) in enumerate(runs.items()):
         results = folder / f"results-{index}"
         results.mkdir()
-        contexts[call] = results, mp.start_processes(group_worker, nprocs=2, join=False, start_method="spawn", args=(
-            2, free_port(), str(results), worker, (str(folder), call), TIMEOUT))
+        contexts[call] = results, start_group(2, free_port(), str(results), worker, (str(folder), call), TIMEOUT)
     deadline = time.monotonic() + 90
     try:
         for call, (_, context) in contexts.items():

@@ -9,9 +9,9 @@ A lesson source is a MyST markdown file in jupytext's format: prose as it reads,
 block. The lecture of step NN is NN_name (05_fsdp teaches 05_fsdp.py); a lecture that adds no numbered script is
 named by its subject. PARTS gives the reading order. Edit the .md, not the .ipynb: the notebook is an output. (With
 jupytext installed, Jupyter opens the .md as a notebook too; both files are paired, `formats: ipynb,md:myst`.) Each
-executed notebook records a hash of its source, the numbered scripts and notebooks/lessons/*.py in its metadata,
-and the torch version it ran with; tests/test_notebooks.py checks cells, hash and version (stale outputs fail: a
-new torch means re-executing every notebook), and runs each notebook.
+executed notebook records a hash of its source, the numbered scripts, notebooks/lessons/*.py and tests/helpers.py
+in its metadata, and the torch version it ran with; tests/test_notebooks.py checks cells, hash and version (stale
+outputs fail: a new torch means re-executing every notebook), and runs each notebook.
 """
 import hashlib
 import os
@@ -49,8 +49,9 @@ def source(name):
 
 def source_hash(name):
     """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, the
-    helpers it imports from notebooks/lessons/, and the files of benchmarks/, port/ and tools/ its code cells name
-    (programs, published figures). Any of them changing makes the committed outputs stale."""
+    helpers it imports from notebooks/lessons/ (and tests/helpers.py, which runs imports), and the files of
+    benchmarks/, port/ and tools/ its code cells name (programs, published figures). Any of them changing makes the
+    committed outputs stale."""
     code = "\n".join(cell.source for cell in jupytext.read(source(name)).cells if cell.cell_type == "code")
     digest = hashlib.sha256(source(name).read_bytes())
     named = [path for folder in ("benchmarks", "port", "tools") for path in sorted((REPO / folder).glob("*.*"))
@@ -58,6 +59,7 @@ def source_hash(name):
     imported = {"runs"} | {name.strip() for line in re.findall(r"^from lessons import ([\w, ]+)", code, re.M)
                            for name in line.split(",")}  # runs: the others import it
     support = [FOLDER / "lessons" / f"{module}.py" for module in sorted(imported)]
+    support.append(REPO / "tests" / "helpers.py")  # runs imports it (run_group, free_port, load_script...)
     for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + support + named:
         digest.update(path.read_bytes())
     return digest.hexdigest()

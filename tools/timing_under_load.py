@@ -1,8 +1,11 @@
-"""Runs the lessons' timing-sensitive experiments many times while two busy-loop processes load both cores, and
-checks each time that what the prose says still happened (issue 34, item 6). Not a test: a few minutes.
+"""Runs the lessons' timing-sensitive experiments (or the timing-sensitive tests) many times under a full load.
+
+Two busy-loop processes load both cores meanwhile, and each round checks that what the prose says still happened
+(issue 34, item 6), or that the tests pass. Not a test: a few minutes (the tests: about half an hour).
 
     .venv/bin/python tools/timing_under_load.py            # 10 rounds
     .venv/bin/python tools/timing_under_load.py --rounds 3
+    .venv/bin/python tools/timing_under_load.py --tests    # the timing-sensitive tests instead (TIMING_TESTS)
 
 Each experiment is a rank that goes on with other work while the other rank waits in a collective; the
 collective's timeout must end the wait first, whatever the load. So each check asks for gloo's "Timed out" in rank
@@ -33,15 +36,54 @@ def timed_out_within(said, seconds_pattern, work=9):
     return "Timed out" in said and seconds is not None and float(seconds.group(1)) < work
 
 
+# The tests whose outcome depends on a wait ending before another: a collective timeout of a few seconds against a
+# rank that sleeps or works longer, or a snapshot write held open while a process is killed.
+TIMING_TESTS = [
+    "tests/test_build_ddp.py",  # the unused-parameter wait ends at its 3 s timeout, inside [2.5, 6] s
+    "tests/test_fsdp_mistakes.py",  # a rank-0-only collective ends at its 3 s timeout
+    "tests/test_troubleshooting.py::test_a_skipped_collective_fails_at_the_timeout_instead_of_hanging",  # 3 s vs 6 s
+    "tests/test_troubleshooting.py::test_debug_detail_names_mismatched_collectives",  # DETAIL's check before 10 s
+    "tests/test_refused_input.py::test_a_preparation_slower_than_the_collective_timeout_does_not_time_out_the_others",
+    "tests/test_fault_tolerance.py::test_killing_the_writer_mid_write_keeps_the_previous_snapshot",  # a 1.5 s write
+    "tests/test_fsdp.py::test_killing_the_writer_mid_write_keeps_the_previous_snapshot",  # the same, sharded
+]
+
+
+def run_tests(rounds):
+    """Each round runs TIMING_TESTS in one pytest process; returns the rounds' failed test ids."""
+    import subprocess
+
+    repo, failed, began = Path(__file__).resolve().parents[1], [], time.monotonic()
+    for round_ in range(1, rounds + 1):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *TIMING_TESTS],
+                                cwd=repo, capture_output=True, text=True, timeout=1800)
+        failures = re.findall(r"^FAILED (\S+)", result.stdout, re.M)
+        summary = result.stdout.strip().splitlines()[-1]
+        print(f"round {round_} ({time.monotonic() - began:.0f} s): {summary}", flush=True)
+        failed += [(round_, test) for test in failures] or ([(round_, summary)] if result.returncode else [])
+    return failed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--tests", action="store_true", help="run TIMING_TESTS instead of the lesson experiments")
     args = parser.parse_args()
     from lessons import ddp_concepts, ddp_machinery, diagnosis, runs
 
     loaders = [multiprocessing.Process(target=busy, daemon=True) for _ in range(2)]
     for loader in loaders:
         loader.start()
+    if args.tests:
+        try:
+            failed = run_tests(args.rounds)
+        finally:
+            for loader in loaders:
+                loader.kill()
+        for round_, test in failed:
+            print(f"round {round_}: FAILED {test}")
+        print(f"{len(failed)} failures in {args.rounds} rounds of {len(TIMING_TESTS)} test ids, with both cores busy")
+        return 1 if failed else 0
     group, failures, began = runs.Processes(2), [], time.monotonic()
     try:
         for round_ in range(1, args.rounds + 1):

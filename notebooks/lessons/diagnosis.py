@@ -147,7 +147,7 @@ def randomness_across_ranks(rank, world_size):
                                   ("same seed, generator seeded with seed + rank", 0,
                                    torch.Generator().manual_seed(0 + rank))]:
         torch.manual_seed(seed)  # without a generator, the loader draws its workers' base seed from this one
-        # fork, as in a torchrun worker: this process was spawned, and its children would be spawned too
+        # fork, as in a torchrun worker, whatever start method started this process (run_group: a fork server)
         loader = iter(DataLoader(Augmented(), batch_size=2, num_workers=2, generator=generator,
                                  multiprocessing_context="fork"))
         batches[name] = torch.stack([next(loader), next(loader)])  # batch 0 from worker 0, batch 1 from worker 1
