@@ -6,6 +6,8 @@ Two busy-loop processes load both cores meanwhile, and each round checks that wh
     .venv/bin/python tools/timing_under_load.py            # 10 rounds
     .venv/bin/python tools/timing_under_load.py --rounds 3
     .venv/bin/python tools/timing_under_load.py --tests    # the timing-sensitive tests instead (TIMING_TESTS)
+    .venv/bin/python tools/timing_under_load.py --tests --writers   # and the snapshot-writer kills
+    .venv/bin/python tools/timing_under_load.py --tests --lessons   # and the timing-sensitive lessons' executions
 
 Each experiment is a rank that goes on with other work while the other rank waits in a collective; the
 collective's timeout must end the wait first, whatever the load. So each check asks for gloo's "Timed out" in rank
@@ -44,18 +46,29 @@ TIMING_TESTS = [
     "tests/test_troubleshooting.py::test_a_skipped_collective_fails_at_the_timeout_instead_of_hanging",  # 3 s vs 6 s
     "tests/test_troubleshooting.py::test_debug_detail_names_mismatched_collectives",  # DETAIL's check before 10 s
     "tests/test_refused_input.py::test_a_preparation_slower_than_the_collective_timeout_does_not_time_out_the_others",
-    "tests/test_fault_tolerance.py::test_killing_the_writer_mid_write_keeps_the_previous_snapshot",  # a 1.5 s write
-    "tests/test_fsdp.py::test_killing_the_writer_mid_write_keeps_the_previous_snapshot",  # the same, sharded
+]
+# A kill that must land inside a snapshot write held open for 1.5 s (the writer tests of test_fault_tolerance.py
+# and test_fsdp.py): with --writers too.
+WRITER_TESTS = [
+    "tests/test_fault_tolerance.py::test_killing_the_writer_mid_write_keeps_the_previous_snapshot",
+    "tests/test_fsdp.py::test_killing_the_writer_mid_write_keeps_the_previous_snapshot",
 ]
 
 
-def run_tests(rounds):
-    """Each round runs TIMING_TESTS in one pytest process; returns the rounds' failed test ids."""
+# The lessons whose outputs show a wait ending before another (timeouts against sleeping or working ranks, kills
+# and signals at chosen moments), each executed from a clean kernel as tests/test_notebooks.py does: with --lessons.
+LESSON_TESTS = [f"tests/test_notebooks.py::test_notebook_runs_from_a_clean_kernel[{name}]" for name in (
+    "01_mp_spawn", "03_multinode", "04_fault_tolerant", "05_fsdp", "ddp_under_the_hood", "build_ddp_yourself",
+    "preemption_and_elastic", "when_it_breaks")]
+
+
+def run_tests(rounds, tests):
+    """Each round runs `tests` in one pytest process; returns the rounds' failed test ids."""
     import subprocess
 
     repo, failed, began = Path(__file__).resolve().parents[1], [], time.monotonic()
     for round_ in range(1, rounds + 1):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *TIMING_TESTS],
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests],
                                 cwd=repo, capture_output=True, text=True, timeout=1800)
         failures = re.findall(r"^FAILED (\S+)", result.stdout, re.M)
         summary = result.stdout.strip().splitlines()[-1]
@@ -68,6 +81,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tests", action="store_true", help="run TIMING_TESTS instead of the lesson experiments")
+    parser.add_argument("--writers", action="store_true", help="with --tests: WRITER_TESTS too")
+    parser.add_argument("--lessons", action="store_true", help="with --tests: LESSON_TESTS too (long: ~5 min a round)")
     args = parser.parse_args()
     from lessons import ddp_concepts, ddp_machinery, diagnosis, runs
 
@@ -76,13 +91,14 @@ def main():
         loader.start()
     if args.tests:
         try:
-            failed = run_tests(args.rounds)
+            tests = TIMING_TESTS + (WRITER_TESTS if args.writers else []) + (LESSON_TESTS if args.lessons else [])
+            failed = run_tests(args.rounds, tests)
         finally:
             for loader in loaders:
                 loader.kill()
         for round_, test in failed:
             print(f"round {round_}: FAILED {test}")
-        print(f"{len(failed)} failures in {args.rounds} rounds of {len(TIMING_TESTS)} test ids, with both cores busy")
+        print(f"{len(failed)} failures in {args.rounds} rounds of {len(tests)} test ids, with both cores busy")
         return 1 if failed else 0
     group, failures, began = runs.Processes(2), [], time.monotonic()
     try:
