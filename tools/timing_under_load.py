@@ -1,7 +1,8 @@
 """Runs the lessons' timing-sensitive experiments (or the timing-sensitive tests) many times under a full load.
 
 Two busy-loop processes load both cores meanwhile, and each round checks that what the prose says still happened
-(issue 34, item 6), or that the tests pass. Not a test: a few minutes (the tests: about half an hour).
+(issue 34, item 6), or that the tests pass. Not a test: a few minutes (the tests: 7 min for 10 rounds, 18 with
+--writers; --lessons: 7 min a round).
 
     .venv/bin/python tools/timing_under_load.py            # 10 rounds
     .venv/bin/python tools/timing_under_load.py --rounds 3
