@@ -50,7 +50,7 @@ def test_weights_made_non_finite_by_an_epochs_last_step_are_not_saved(tmp_path):
 
 # --- 04: the last good snapshot survives a divergence, and a resume with a lower --lr finishes ----------------
 
-TRAIN_04 = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
+TRAIN_04 = ["--train-samples", "1024", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
             "--save-every-steps", "4"]
 
 
@@ -119,7 +119,7 @@ def test_a_divergence_writes_nothing_and_a_resume_with_a_lower_lr_finishes(good_
     # the schedule went on from where it was, scaled by 0.02 / 0.05: epoch 2's learning rate is 0.01, not 0.025
     # (s.pt.prev: the last snapshot of epoch 2, before the schedule's step at its end)
     last_in_epoch_2 = torch.load(snapshot.with_name("s.pt.prev"), weights_only=True)
-    assert last_in_epoch_2["epoch"] == 1 and last_in_epoch_2["samples_done"] == 2048
+    assert last_in_epoch_2["epoch"] == 1 and last_in_epoch_2["samples_done"] == 1024
     assert last_in_epoch_2["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.01, rel=1e-12)
 
 

@@ -19,7 +19,8 @@ from helpers import TORCHRUN, clean_env, finish, ignored_signals, load_script, s
 pytestmark = pytest.mark.faults
 
 SCRIPT = "04_fault_tolerant.py"
-TRAIN = ["--train-samples", "2048", "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
+TRAIN_SAMPLES = 1024  # 16 steps per epoch of 2 x 32 samples
+TRAIN = ["--train-samples", str(TRAIN_SAMPLES), "--val-samples", "64", "--epochs", "2", "--batch-size", "32",
          "--save-every-steps", "4"]
 
 
@@ -139,72 +140,79 @@ def test_a_malicious_snapshot_is_refused_and_its_code_never_runs(tmp_path):
     assert not marker.exists(), "weights_only=True must refuse to run the pickle's code"
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to the workers"])
-def test_a_preemption_signal_saves_a_snapshot_and_a_rerun_resumes(reference, tmp_path, how):
-    """With DataLoader workers (--num-workers 2) that get the signal too: they must not die first, nor the fork
-    server they come from (its death would end them: a worker watches its parent). Every process below the ranks
-    ignores both stop signals, by the kernel's own record; the ranks catch them."""
-    snapshot = tmp_path / "snapshot.pt"
-    run = command(snapshot, 0, "--num-workers", "2")
-    agent, log = launch(tmp_path, "first", run)
-    wait_for_new_snapshot(snapshot, wait_for_new_snapshot(snapshot, 0))
-    ranks = psutil.Process(agent.pid).children()
-    below = [process for rank in ranks for process in rank.children(recursive=True)]
+def assert_loader_workers_ignore_stop_signals(agent):
+    """Every process below the ranks (each rank's DataLoader workers and the fork server they come from) ignores
+    both stop signals, by the kernel's own record: they must not die first (a worker watches its parent)."""
+    below = [process for rank in psutil.Process(agent.pid).children() for process in rank.children(recursive=True)]
     assert len(below) >= 2 * 2, [process.cmdline() for process in below]  # each rank's training loader workers
     for process in below:  # (a worker just started may take a moment to reach ignore_stop_signals)
         deadline = time.monotonic() + 10
         while not {signal.SIGTERM, signal.SIGUSR1} <= ignored_signals(process.pid) and process.is_running():
             assert time.monotonic() < deadline, process.cmdline()
             time.sleep(0.1)
-    if how == "SIGTERM to torchrun":
-        os.kill(agent.pid, signal.SIGTERM)  # torchrun forwards TERM to its workers
-    else:
-        for process in psutil.Process(agent.pid).children(recursive=True):  # workers and their loaders alike
-            process.send_signal(signal.SIGUSR1)
-    code, output = wait(agent, log)
+
+
+def assert_stopped_with_a_snapshot(output, snapshot):
     stopped = re.search(r"stopped by a signal in epoch (\d+), (\d+) samples in", output)
     assert stopped, output[-3000:]
     epoch, samples = map(int, stopped.groups())
     assert f"saved snapshot {snapshot} (epoch {epoch - 1}, +{samples} samples)" in output, "saved at the stop"
-    if how == "SIGUSR1 to the workers":
-        assert code == 0, "a stop on a signal is not a failure"
-    code, output = wait(*launch(tmp_path, "second", run))
+    return epoch
+
+
+def test_two_preemption_signals_each_save_a_snapshot_and_the_reruns_resume(reference, tmp_path):
+    """A job preempted twice: SIGTERM to torchrun (which forwards it to the workers) in epoch 1; in the rerun, once
+    epoch 1 is done, SIGUSR1 to every process (workers and their loaders alike, as Slurm's scancel --signal sends
+    it). Each stop saves a snapshot, and the last rerun ends bitwise equal to the uninterrupted run. With DataLoader
+    workers (--num-workers 2) that get the signal too, and TensorBoard: a stop leaves by os._exit, which runs no
+    clean-up, so the writer is closed before it, and the file holds every finished epoch's scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    snapshot, board = tmp_path / "snapshot.pt", tmp_path / "tb"
+    run = command(snapshot, 0, "--num-workers", "2", "--tensorboard", board)
+    agent, log = launch(tmp_path, "first", run)
+    wait_for_new_snapshot(snapshot, wait_for_new_snapshot(snapshot, 0))
+    assert_loader_workers_ignore_stop_signals(agent)
+    os.kill(agent.pid, signal.SIGTERM)  # torchrun forwards TERM to its workers
+    _, output = wait(agent, log)
+    assert assert_stopped_with_a_snapshot(output, snapshot) == 1
+
+    agent, log = launch(tmp_path, "second", run)
+    deadline = time.monotonic() + 120
+    while "epoch 1/2" not in log.read_text():  # then stop in epoch 2
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    assert_loader_workers_ignore_stop_signals(agent)
+    for process in psutil.Process(agent.pid).children(recursive=True):
+        process.send_signal(signal.SIGUSR1)
+    code, output = wait(agent, log)
+    assert code == 0, "a stop on a signal is not a failure"
+    assert "resumed from" in output and assert_stopped_with_a_snapshot(output, snapshot) == 2
+    steps = [event.step for event in EventAccumulator(str(board)).Reload().Scalars("val_loss")]
+    assert steps == [1], "every finished epoch's scalars, on disk"
+
+    code, output = wait(*launch(tmp_path, "third", run))
     assert code == 0, output[-3000:]
     assert "resumed from" in output
     assert_same_as_reference(reference, output, snapshot)
 
 
-def test_a_stop_by_a_signal_keeps_the_tensorboard_scalars_of_the_epochs_done(tmp_path):
-    """The stop leaves by os._exit, which runs no clean-up: the writer is closed before (what its thread has not
-    written yet would be lost), and the file holds every finished epoch's scalars."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    board = tmp_path / "tb"
-    agent, log = launch(tmp_path, "run", command(tmp_path / "snapshot.pt", 0, "--epochs", "3", "--tensorboard", board))
-    deadline = time.monotonic() + 120
-    while "epoch 1/3" not in log.read_text():  # then stop in a later epoch
-        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    os.kill(agent.pid, signal.SIGTERM)
-    code, output = wait(agent, log)
-    stopped = re.search(r"stopped by a signal in epoch (\d+)", output)
-    assert stopped, output[-3000:]
-    steps = [event.step for event in EventAccumulator(str(board)).Reload().Scalars("val_loss")]
-    assert steps == list(range(1, int(stopped.group(1)))), "every finished epoch's scalars, on disk"
-
-
 def test_ten_kill_9s_at_random_steps_in_one_run_each_resume_to_identical_parameters(reference, tmp_path):
     """kill -9 of a random worker at a random step, ten times in a row in one run: each restart resumes from the
-    last snapshot (a snapshot every 2 steps; each kill comes a random, seeded 0-50 ms after a new one, so the steps
-    since it are lost and redone; no later, so that a faster CPU still has steps left for ten kills), and the run
-    ends bitwise equal to the uninterrupted one. On torchrun's shared rendezvous store (no
+    last snapshot, and the run ends bitwise equal to the uninterrupted one. A snapshot every step, each write held
+    0.1 s (SNAPSHOT_WRITE_DELAY), and each kill a random, seeded 0-50 ms after the first snapshot since the last
+    (re)start: the steps since it are lost and redone, and each restart moves the run on by one or two of its 32
+    steps on any CPU, so ten kills always fit. On torchrun's shared rendezvous store (no
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the script's per-attempt prefix is what keeps each restart clean."""
     snapshot, rng = tmp_path / "snapshot.pt", random.Random(0)
-    agent, log = launch(tmp_path, "run", command(snapshot, 10, "--save-every-steps", "2"),
-                        environment(shared_store=True))
-    seen = 0
+    agent, log = launch(tmp_path, "run", command(snapshot, 10, "--save-every-steps", "1"),
+                        environment(shared_store=True, SNAPSHOT_WRITE_DELAY="0.1"))
     for kill in range(10):
-        seen = wait_for_new_snapshot(snapshot, seen, timeout=90)
+        deadline = time.monotonic() + 90
+        while "saved snapshot" not in log.read_text().rsplit("resumed from", 1)[-1]:  # since the last (re)start
+            assert agent.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no snapshot after restart {kill} within 90 s"
+            time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.05))
         rng.choice(workers(agent)).kill()
         # the next kill waits for the restart: a rank still writing when its peer died would otherwise give
@@ -214,7 +222,6 @@ def test_ten_kill_9s_at_random_steps_in_one_run_each_resume_to_identical_paramet
             assert agent.poll() is None, log.read_text()[-3000:]  # the agent gave up: say why, at once
             assert time.monotonic() < deadline, f"no restart {kill + 1} within 90 s"
             time.sleep(0.05)
-        seen = snapshot.stat().st_mtime_ns
     code, output = wait(agent, log, timeout=300)
     assert code == 0, output[-3000:]
     assert output.count("resumed from") == 10
@@ -332,11 +339,11 @@ data.DataLoader.__init__ = init
 
 
 def worker_seeds(log):
-    """{rank: [base seed of each training loader, in order]} (the training set has 2048 samples)."""
+    """{rank: [base seed of each training loader, in order]} (the training set has TRAIN_SAMPLES samples)."""
     seeds = {}
     for line in log.read_text().splitlines():
         rank, size, seed = line.split()
-        if size == "2048":
+        if size == str(TRAIN_SAMPLES):
             seeds.setdefault(int(rank), []).append(int(seed))
     return seeds
 
