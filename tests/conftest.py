@@ -1,3 +1,4 @@
+import collections
 import os
 
 import pytest
@@ -89,9 +90,19 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} needs root: add its file to ROOT_FILES in tests/conftest.py")
         if not any(item.get_closest_marker(name) for name in STARTS_PROCESSES):
             item.add_marker(pytest.mark.quick)
-    # the quick tests last: under `make test` (which keeps this order: --no-loadscope-reorder), they fill the end
-    # while the other process finishes
-    items.sort(key=lambda item: item.get_closest_marker("quick") is not None)
+    # Under `make test` (which keeps this order: --no-loadscope-reorder) the units are dealt out in this order, each
+    # to the first process that is free: the longest first, so that the last ones are short and both processes
+    # finish together; the quick tests last.
+    cost = collections.Counter()
+    for item in items:
+        marked = [seconds for name, seconds in SECONDS.items() if item.get_closest_marker(name)]
+        cost[unit_of(item.nodeid)] += max(marked, default=0)
+    items.sort(key=lambda item: (item.get_closest_marker("quick") is not None, -cost[unit_of(item.nodeid)]))
+
+
+# About how long a test of each kind takes under `make test`, in seconds (docs/ci.md has the measured figures): enough
+# to deal out the longest units first. A test with several of these markers counts as its slowest.
+SECONDS = {"notebooks": 50, "multihost": 15, "faults": 8, "launch": 5, "multiproc": 2}
 
 
 # `make test` runs the tests in 2 processes (pytest-xdist), in units: a unit runs in one process, in order. Each
