@@ -32,30 +32,31 @@ def wait_until_joined(endpoint, rdzv_id, timeout=60):
         time.sleep(0.2)
     raise AssertionError(f"no node joined rendezvous {rdzv_id} at {endpoint} within {timeout} s")
 
-def mismatched_nodes(first_nnodes, second_nnodes):
+def mismatched_nodes(first_nnodes, second_nnodes, join_timeout):
     """Two agents that disagree on --nnodes, the second started once the first has joined."""
     endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"mismatch-{first_nnodes}-{second_nnodes}"
     began = time.monotonic()
-    first = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=first_nnodes, join_timeout=15), nodes_env())
+    first = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=first_nnodes, join_timeout=join_timeout), nodes_env())
     try:
         wait_until_joined(endpoint, rdzv_id)
     except AssertionError:
         kill_tree(first.pid)
         raise
-    second = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=second_nnodes, join_timeout=15), nodes_env())
+    second = start(node_command(endpoint, rdzv_id, *TRAIN, nnodes=second_nnodes, join_timeout=join_timeout),
+                   nodes_env())
     results = [finish(agent, timeout=120) for agent in (first, second)]
     return results, time.monotonic() - began
 
 @pytest.mark.multihost
 def test_mismatched_nnodes_fails_on_both_nodes_when_the_smaller_count_joins_first():
-    results, seconds = mismatched_nodes(2, 3)
+    results, seconds = mismatched_nodes(2, 3, join_timeout=10)  # the first's timeout ends it, whenever the second joins
     assert [result.returncode != 0 for result in results] == [True, True], results[1].stdout[-2000:]
     assert "RendezvousTimeoutError" in results[0].stdout
     assert seconds < 90
 
 @pytest.mark.multihost
 def test_mismatched_nnodes_trains_on_the_smaller_count_when_it_joins_last():
-    results, _ = mismatched_nodes(3, 2)
+    results, _ = mismatched_nodes(3, 2, join_timeout=15)  # time for the second to start and join (import torch)
     assert [result.returncode for result in results] == [0, 0], results[0].stdout[-2000:]
     # The node told --nnodes=3 ran as one of 2 ranks: only the start-up line shows it.
     assert re.search(r"local rank 0: rank \d of 2\b", results[0].stdout)
