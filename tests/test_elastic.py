@@ -18,10 +18,13 @@ TRAIN = ["--val-samples", "64", "--epochs", "1", "--batch-size", str(BATCH), "--
 
 def node_command(endpoint, hosts_store, snapshot, metrics, samples):
     """The README's elastic command, one process per node. is_host names the node that keeps the rendezvous
-    store (on one machine both would claim it); the store's node is the one that must stay up."""
+    store (on one machine both would claim it); the store's node is the one that must stay up. A node that stops
+    sending heartbeats is dropped from the rendezvous after keep_alive_interval x keep_alive_max_attempt seconds:
+    15 by default, 3 here."""
     return [TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv_backend=c10d",
             f"--rdzv_endpoint={endpoint}", "--rdzv_id=elastic",
-            f"--rdzv_conf=join_timeout=60,last_call_timeout=2,is_host={str(hosts_store).lower()}",
+            "--rdzv_conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            f"is_host={str(hosts_store).lower()}",
             "04_fault_tolerant.py", *TRAIN, "--train-samples", samples, "--checkpoint", snapshot, "--metrics", metrics]
 
 
