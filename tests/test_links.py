@@ -176,7 +176,7 @@ def command_problems(command):
                     script = name if "/" not in name else None  # flags: the numbered scripts and the preflight
                 else:
                     script = script_run_by(name)
-            elif script and word_in_segment.startswith("--"):
+            elif script and word_in_segment.startswith("--") and word_in_segment != "--":  # `--`: the end of options
                 flag = word_in_segment.split("=", 1)[0]
                 if flag not in script_flags(script):
                     problems.append(f"{script} has no {flag}")
@@ -230,6 +230,7 @@ def test_the_link_check_can_fail(tmp_path, text, found):
      ["02_torchrun.py has no --no-such-flag"]),
     ("python 09_gone.py", ["09_gone.py does not exist"]),
     ("python 02_torchrun.py --nproc 2", ["02_torchrun.py has no --nproc"]),  # 01's flag, gone in 02
+    ("torchrun --standalone --nproc_per_node=1 01_mp_spawn.py -- --nproc 2 --bogus", ["01_mp_spawn.py has no --bogus"]),
     ("sbatch --wait slurm/preflight.sbatch --timeout 30", []),
     ("sbatch --wait slurm/02_torchrun.sbatch --epochs 1 --bogus  # comment --also-bogus",
      ["02_torchrun.py has no --bogus"]),

@@ -8,7 +8,20 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import PYTHON, REPO, TORCHRUN, clean_env, finish, free_port, kill_tree, nodes_env, run, run_group, start
+from helpers import (
+    PYTHON,
+    REPO,
+    TORCHRUN,
+    clean_env,
+    finish,
+    free_port,
+    kill_tree,
+    nodes_env,
+    run,
+    run_group,
+    start,
+    torchrun,
+)
 from test_multinode import TRAIN, node_command
 from torch import nn
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -60,6 +73,17 @@ def test_mismatched_nnodes_trains_on_the_smaller_count_when_it_joins_last():
     assert [result.returncode for result in results] == [0, 0], results[0].stdout[-2000:]
     # The node told --nnodes=3 ran as one of 2 ranks: only the start-up line shows it.
     assert re.search(r"local rank 0: rank \d of 2\b", results[0].stdout)
+
+@pytest.mark.launch
+def test_a_script_flag_that_begins_two_torchrun_options_stops_torchrun_before_anything_starts():
+    """torchrun parses its command line with argparse, which looks up every --word among its options, abbreviations
+    included, even after the script's name: 01's --nproc begins both --nproc-per-node and --nproc_per_node, and
+    torchrun stops before starting anything. After `--` it goes to the script (tests/test_launch_and_bad_input.py
+    runs that)."""
+    result = run(torchrun(1, "01_mp_spawn.py", "--nproc", "1"), timeout=60)
+    assert result.returncode == 2
+    assert "torchrun: error: ambiguous option: --nproc could match --nproc-per-node, --nproc_per_node" in result.stdout
+
 
 @pytest.mark.launch
 def test_legacy_launcher_passes_a_local_rank_argument_the_scripts_do_not_take():
