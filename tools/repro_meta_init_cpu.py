@@ -7,11 +7,17 @@ dispatch finds the mesh unsupported (is_rng_supported_mesh in torch/distributed/
 starts no tracker (torch/distributed/tensor/_dispatch.py), so each rank fills its own shard from its own
 generator: with the same seed, every shard is the same numbers (shown here on an even split, 6 rows on 2 ranks).
 
+It then asks what an initialisation that draws each layer whole from the shared seed gives (each rank would keep
+its own rows of it, so no rank ever holds more than one layer whole): the model built on the meta device,
+materialised with to_empty, and every layer's own reset_parameters called in the order of model.modules(), against
+the same model built eagerly after the same torch.manual_seed, for step 05's three kinds of model.
+
     .venv/bin/python tools/repro_meta_init_cpu.py      # a few seconds; prints what it found
 """
 import os
 import socket
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,8 +50,34 @@ def worker(rank, port):
     dist.destroy_process_group()
 
 
+def layer_by_layer(name):
+    """Step 05's model `name` built on the meta device, then every layer's reset_parameters in module order, from
+    torch.manual_seed(0): how many of its tensors equal the eager build's after the same seed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step05", Path(__file__).resolve().parents[1] / "05_fsdp.py")
+    step05 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step05)
+    torch.manual_seed(0)
+    eager = step05.build_model(name, 10).state_dict()
+    with torch.device("meta"):
+        model = step05.build_model(name, 10)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for layer in model.modules():
+        if hasattr(layer, "reset_parameters") and [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]:
+            layer.reset_parameters()
+    drawn = model.state_dict()
+    differ = [key for key in eager if not torch.equal(eager[key], drawn[key])]
+    print(f"--model {name}: {len(eager) - len(differ)} of {len(eager)} tensors equal to the eager build"
+          + (f"; the first that differs: {differ[0]}" if differ else ""))
+
+
 if __name__ == "__main__":
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
     mp.spawn(worker, args=(free,), nprocs=2)
+    print("each layer drawn whole, in module order, after torch.manual_seed(0):")
+    for name in ("cnn", "wide-256", "resnet18"):
+        layer_by_layer(name)
