@@ -88,7 +88,9 @@ def assert_same_as_reference(reference, output, snapshot):
 
 def test_killing_the_writer_mid_write_keeps_the_previous_snapshot(reference, tmp_path):
     snapshot = tmp_path / "snapshot.pt"
-    agent, log = launch(tmp_path, "run", command(snapshot, 1, "--save-every-steps", "12"),
+    # snapshots at the epochs' ends only, each write held 1.5 s: the first, the killed one (the run's last), and the
+    # restart's
+    agent, log = launch(tmp_path, "run", command(snapshot, 1, "--save-every-steps", "1000"),
                         environment(SNAPSHOT_WRITE_DELAY="1.5"))
     wait_for_new_snapshot(snapshot, 0)
     deadline = time.monotonic() + 60

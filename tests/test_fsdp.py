@@ -120,7 +120,9 @@ def test_killing_the_writer_mid_write_keeps_the_previous_snapshot(reference, tmp
     output, _, expected = reference
     snapshot = tmp_path / "snapshot"
     env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", SNAPSHOT_WRITE_DELAY="1.5")
-    agent, log = launch(tmp_path, "run", command(2, snapshot, "--save-every-steps", "12", max_restarts=1), env)
+    # snapshots at the epochs' ends only, each write held 1.5 s: the first, the killed one (the run's last), and the
+    # restart's
+    agent, log = launch(tmp_path, "run", command(2, snapshot, "--save-every-steps", "1000", max_restarts=1), env)
     wait_for_new_snapshot(snapshot, 0)
     deadline = time.monotonic() + 120
     while not (tmp_path / "snapshot.tmp" / "train_state.pt").exists():  # the next write has begun and is paused
