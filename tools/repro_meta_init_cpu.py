@@ -12,7 +12,12 @@ its own rows of it, so no rank ever holds more than one layer whole): the model 
 materialised with to_empty, and every layer's own reset_parameters called in the order of model.modules(), against
 the same model built eagerly after the same torch.manual_seed, for step 05's three kinds of model.
 
-    .venv/bin/python tools/repro_meta_init_cpu.py      # a few seconds; prints what it found
+Last, the other way: every rank builds the model on the meta device and shards it as step 05 does (each top-level
+layer with weights, then the root), rank 0 also builds it eagerly on the CPU after the seed, as step 04 does, and
+set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)) sends every rank its
+pieces; each rank then gathers the whole model and compares it with an eager build of its own.
+
+    .venv/bin/python tools/repro_meta_init_cpu.py      # about a minute; prints what it found
 """
 import os
 import socket
@@ -53,11 +58,7 @@ def worker(rank, port):
 def layer_by_layer(name):
     """Step 05's model `name` built on the meta device, then every layer's reset_parameters in module order, from
     torch.manual_seed(0): how many of its tensors equal the eager build's after the same seed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("step05", Path(__file__).resolve().parents[1] / "05_fsdp.py")
-    step05 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step05)
+    step05 = load_step05()
     torch.manual_seed(0)
     eager = step05.build_model(name, 10).state_dict()
     with torch.device("meta"):
@@ -73,6 +74,47 @@ def layer_by_layer(name):
           + (f"; the first that differs: {differ[0]}" if differ else ""))
 
 
+def from_rank_0(rank, port, names):
+    """Step 05's sharding of each model built on the meta device, its weights sent from rank 0's eager build."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    for name in names:
+        step05 = load_step05()
+        with torch.device("meta"):
+            model = step05.build_model(name, 10)
+        for layer in model.children():
+            if list(layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        whole = {}
+        if rank == 0:
+            torch.manual_seed(0)
+            whole = step05.build_model(name, 10).state_dict()
+        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        gathered = {key: value.full_tensor() if hasattr(value, "full_tensor") else value  # a buffer is whole
+                    for key, value in model.state_dict().items()}
+        torch.manual_seed(0)
+        eager = step05.build_model(name, 10).state_dict()
+        held = sum(parameter.to_local().numel() for parameter in model.parameters())
+        print(f"rank {rank}, --model {name}: {sum(torch.equal(eager[key], gathered[key]) for key in eager)} of "
+              f"{len(eager)} tensors equal to its own eager build; it holds {held:,} of "
+              f"{sum(parameter.numel() for parameter in model.parameters()):,} parameter values", flush=True)
+    dist.destroy_process_group()
+
+
+def load_step05():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step05", Path(__file__).resolve().parents[1] / "05_fsdp.py")
+    step05 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step05)
+    return step05
+
+
 if __name__ == "__main__":
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -81,3 +123,8 @@ if __name__ == "__main__":
     print("each layer drawn whole, in module order, after torch.manual_seed(0):")
     for name in ("cnn", "wide-256", "resnet18"):
         layer_by_layer(name)
+    print("on the meta device on every rank, the weights sent from rank 0's eager build (broadcast_from_rank0):")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    mp.spawn(from_rank_0, args=(free, ["cnn", "wide-256", "resnet18"]), nprocs=2)
