@@ -41,7 +41,7 @@ def test_clear_error(case):
 @pytest.mark.parametrize("script", ["00_single_gpu.py", "01_mp_spawn.py"])
 def test_single_process_torchrun_runs_as_plain_python(script, tmp_path):
     """Workshops launch everything with torchrun: with one process, 00 and 01 just run. (01 with --nproc 1, after
-    `--`: torchrun would take --nproc for an abbreviation of its own --nproc-per-node, docs/troubleshooting.md.)"""
+    `--`: without it torchrun stops at --nproc, an ambiguous abbreviation of its own options (troubleshooting).)"""
     smallest = ["--", "--nproc", "1"] if script == "01_mp_spawn.py" else []
     result = run(torchrun(1, script, *smallest, "--train-samples", "256", "--val-samples", "64", "--epochs", "1",
                           "--metrics", tmp_path / "m.jsonl"), timeout=120)
