@@ -1,16 +1,18 @@
 """The GPU benchmark: what the scripts reach on one GPU, beside what that GPU can give. Run by the GPU check
-(tools/gpu_check.py, `make test-gpu`), in about 1.5 minutes; it has not run yet: no GPU has been lent to this project.
+(tools/gpu_check.py, `make test-gpu`), in about 2.5 minutes. It ran once, on an H200 with torch 2.11, stopped at 120 s
+with 9 of its then 12 figures (docs/gpu-runs/2026-11-28-h200/); since then it drops 00's two --amp loader runs.
 
     python benchmarks/gpu_throughput.py --out benchmark.json
 
 Each figure is one run's steady rate from the scripts' own --metrics (the second epoch, or the steps after the
 first 10: the first pays for warm-up and cuDNN's choices); the file is rewritten after each figure, so that a run
 stopped early keeps what it measured. What it measures:
-- the input pipeline: 00's samples/s with 0 and with 4 loader workers, beside the same model's training steps on
-  batches already on the GPU, the most any loader could reach; far below it, the GPU waits for data (the built-in
-  data makes every sample on the CPU), and more loader workers or bigger batches are what would help;
+- the input pipeline: 00's samples/s with 0 and with 4 loader workers (fp32 only: the loader does the same work
+  under --amp), beside the same model's training steps on batches already on the GPU, the most any loader could
+  reach; far below it, the GPU waits for data (the built-in data makes every sample on the CPU), and more loader
+  workers or bigger batches are what would help;
 - DDP's cost with nothing to communicate: those steps on batches already on the GPU, plain and in DDP (NCCL, one
-  process), and 02 under torchrun with one process beside 00, fp32 and --amp (fp16 + GradScaler);
+  process), fp32 and --amp (fp16 + GradScaler); and 02 under torchrun with one process and 4 loader workers;
 - tokens/s of the ported GPT, fp32 (TF32 matmuls) and bf16 autocast, and its model FLOPs utilisation: per token,
   6 x the parameters (the position table left out; the token matrix counted once, as the output layer shares it)
   + 12 x layers x context x width for attention, against the GPU's dense peak from NVIDIA's datasheet.
@@ -113,7 +115,7 @@ def main():
         label, flag = ("amp" if amp else "fp32"), (["--amp"] if amp else [])
         keep(f"cnn {label}: batches already on the GPU, samples/s", on_the_gpu(amp, ddp=False))
         keep(f"cnn {label}: the same in DDP (NCCL, 1 process), samples/s", on_the_gpu(amp, ddp=True))
-        for workers in (0, 4):
+        for workers in () if amp else (0, 4):
             keep(f"cnn {label}: 00, {workers} loader workers, samples/s",
                  rates([sys.executable, "00_single_gpu.py", *CNN, *flag, "--num-workers", workers], "samples_per_s", 1))
         keep(f"cnn {label}: 02 under torchrun, 1 process, 4 loader workers, samples/s",

@@ -73,15 +73,29 @@ def test_compile_on_cuda():
 
 # --- snapshots and checkpoints across devices --------------------------------------------------------------------
 
-def test_04_killed_and_resumed_on_cuda_ends_where_an_uninterrupted_run_ends(tmp_path):
-    """Found out, not assumed: whether the resumed run is bitwise the uninterrupted one on a GPU (cuDNN may pick
-    other algorithms in another process), and how far apart they end when it is not."""
-    command = ["04_fault_tolerant.py", "--device", "cuda", *SMALL, "--save-every-steps", "8"]
-    reference = ok(torchrun(1, *command, "--checkpoint", tmp_path / "reference.pt"))
+# Imported by every Python process that has this folder on PYTHONPATH (torchrun's worker too): torch's own
+# determinism settings, without a flag in 04. warn_only: an operation with no deterministic kernel warns, and the
+# warning is reported, instead of stopping the run.
+DETERMINISM = """
+import torch
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.backends.cudnn.benchmark = False
+"""
+
+
+def test_04_killed_and_resumed_on_cuda_with_deterministic_kernels_ends_bitwise_where_an_uninterrupted_run_ends(
+        tmp_path):
+    """The first GPU run (2026-11-28, H200, torch 2.11.0) found the cnn's resumed run 0.11 away from the uninterrupted
+    one, and two uninterrupted runs just as far apart (0.115): the kernels, not the resume. So the claim is tested
+    where the kernels are deterministic: the linear model, under torch's determinism settings (docs/cpu-and-gpu.md)."""
+    (tmp_path / "sitecustomize.py").write_text(DETERMINISM)
+    env = {"PYTHONPATH": str(tmp_path), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # cuBLAS's condition for determinism
+    command = ["04_fault_tolerant.py", "--device", "cuda", *SMALL, "--model", "wide-256", "--save-every-steps", "8"]
+    reference = ok(torchrun(1, *command, "--checkpoint", tmp_path / "reference.pt"), env=clean_env(**env))
     snapshot = tmp_path / "snapshot.pt"
     # each snapshot write takes 0.3 s more (the tests' hook in 04), so that the run is still going at the kill
     agent = start(torchrun(1, "--max-restarts=1", *command, "--checkpoint", snapshot),
-                  clean_env(SNAPSHOT_WRITE_DELAY="0.3"))
+                  clean_env(SNAPSHOT_WRITE_DELAY="0.3", **env))
     deadline = time.monotonic() + 120
     while not snapshot.exists():
         assert agent.poll() is None and time.monotonic() < deadline, "no snapshot written"
@@ -98,8 +112,10 @@ def test_04_killed_and_resumed_on_cuda_ends_where_an_uninterrupted_run_ends(tmp_
              (tmp_path / "reference.pt", snapshot)]
     largest = max((a.double() - b.double()).abs().max().item()
                   for a, b in zip(final[0].values(), final[1].values(), strict=True))
-    finding("04 resumed on cuda", bitwise=largest == 0.0, checksums=ends, largest_difference=largest)
-    assert largest < 1e-2, "the resumed run must end near the uninterrupted one"
+    warned = sorted({line.strip() for line in (reference + resumed.stdout).splitlines() if "determinis" in line})
+    finding("04 resumed on cuda, deterministic", bitwise=largest == 0.0, checksums=ends, largest_difference=largest,
+            warnings=warned[:5])
+    assert largest == 0.0, f"the resumed run must end bitwise where the uninterrupted one ends: {warned[:5]}"
 
 
 def test_a_checkpoint_written_on_gpu_evaluates_on_cpu_and_the_reverse(tmp_path):
