@@ -202,7 +202,7 @@ def batches_of(loader):
 
 
 def build_model(name, num_classes):
-    if name.startswith("wide"):  # many wide layers: weights, gradients and momentum outweigh the activations
+    if name == "wide" or name.startswith("wide-"):  # many wide layers: weights, gradients, momentum dominate
         width = int(name[5:] or 2048)  # wide: 31.5M parameters (120 MiB in fp32); wide-256: 1.2M, for quick runs
         blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(6)]
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), *blocks,

@@ -3,9 +3,10 @@
 DDP keeps a whole copy of the weights, gradients and optimizer state on every process; fully_shard splits each into
 world-size pieces, one per process. A layer's whole weights are gathered for its forward and again for its backward,
 freed after each (two layers at most are whole: backward gathers the next one early); each process keeps only its piece
-of the averaged gradients. The model is still built whole on every process before that: its fp32 weights must fit one
-device, its training state need not (docs/fsdp.md). Snapshots are sharded: PATH is a folder in which every process
-writes its pieces (torch.distributed.checkpoint), and a resume reads them on any number of processes.
+of the averaged gradients. The model is built on the meta device (shapes, no memory) and sharded before any process
+allocates its pieces, which rank 0 fills from one whole build in host memory (docs/fsdp.md). Snapshots are sharded:
+PATH is a folder in which every process writes its pieces (torch.distributed.checkpoint), and a resume reads them on
+any number of processes.
 
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
       05_fsdp.py --model wide --checkpoint snapshot
@@ -40,7 +41,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard  # on a CPU: torch 2.9.1 or later (docs/versions.md)
@@ -145,8 +151,8 @@ def check_inputs(args, world_size):
     try:  # a dry run on the meta device (no memory, no compute): can the model take 32x32 images at all?
         with torch.device("meta"):
             build_model(args.model, num_classes)(torch.empty(2, 3, 32, 32))
-    except NotImplementedError:
-        pass  # a few models cannot be built on the meta device: they meet real images instead
+    except NotImplementedError:  # regnet_*: it reads its own numbers while building, and 05 builds on the meta device
+        refuse(f"--model {args.model} cannot be built on the meta device, as step 05 builds (04 trains it)")
     except (RuntimeError, AssertionError, ValueError) as error:
         refuse(f"--model {args.model} cannot take 32x32 images: {str(error).splitlines()[0]}")
     for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
@@ -226,7 +232,7 @@ def batches_of(loader):
 
 
 def build_model(name, num_classes):
-    if name.startswith("wide"):  # many wide layers: weights, gradients and momentum outweigh the activations
+    if name == "wide" or name.startswith("wide-"):  # many wide layers: weights, gradients, momentum dominate
         width = int(name[5:] or 2048)  # wide: 31.5M parameters (120 MiB in fp32); wide-256: 1.2M, for quick runs
         blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(6)]
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, width), nn.ReLU(), *blocks,
@@ -541,9 +547,10 @@ def main(args):
     # not DistributedSampler: it pads shards to equal length by repeating samples, which would count twice
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_options)
 
-    model = build_model(args.model, num_classes).to(device)  # whole, on every rank (same seed: same weights)
+    with torch.device("meta"):  # shapes and dtypes only, no memory: rank 0 builds the values once, below
+        model = build_model(args.model, num_classes)
     snapshot, followed = load_snapshot(args, device, num_classes) if args.checkpoint else (None, [])
-    # fully_shard keeps about 1/world_size of each parameter on this rank (its rows: a DTensor), frees the rest. Every
+    # fully_shard keeps about 1/world_size of each parameter on this rank (its rows: a DTensor), not the rest. Every
     # top-level layer or block with weights is a unit: gathered from all ranks (all-gather) just before its forward and
     # again before its backward, freed after each (reshard_after_forward), and its gradients averaged and split
     # (reduce-scatter) right after its backward: at most two units are whole at a time (backward gathers the next one
@@ -560,6 +567,14 @@ def main(args):
         if list(layer.parameters()):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)  # memory for this rank's pieces (and whole buffers); their values are not set yet
+    if not snapshot:  # 04's starting weights (the same seed), built whole once by rank 0 in host memory; every rank
+        # receives them one tensor at a time and keeps its pieces (a resume reads its pieces from the snapshot)
+        set_model_state_dict(model, build_model(args.model, num_classes).state_dict() if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        generator = [torch.get_rng_state()]  # rank 0's, which its build advanced: every rank goes on from it, as in 04
+        dist.broadcast_object_list(generator)  # (dropout on a CPU draws from it: the same masks as in 04)
+        torch.set_rng_state(generator[0])
     raw_model = model  # fully_shard wraps nothing: the parameter names stay the plain model's
     if args.compile:
         model = torch.compile(model)

@@ -294,10 +294,11 @@ def why(r, mb, P):
     def free(kind, world):
         return peak(kind, world, "")
     src, wire = "torch/distributed/fsdp/_fully_shard/", r["runs"]["pair2"][0]["wire"]["reduce_scatter_single"]
-    return [f"- **FSDP2 builds the whole model on every rank.** Its peak while building is the full fp32 model "
-            f"({mb(4 * P)} MB), not 4P/N: build_model runs in full on each rank, then fully_shard copies the rank's "
-            f"chunk into new storage ({src}_fsdp_param.py, FSDPParam._init_sharded_param: _chunk_with_empty, "
-            "new_zeros(padded_sharded_size), copy_). Building on the meta device would avoid it; the scripts do not.",
+    return [f"- **This benchmark builds the whole model on every rank.** Its peak while building is the full fp32 "
+            f"model ({mb(4 * P)} MB), not 4P/N: build_model runs in full on each rank, then fully_shard copies the "
+            f"rank's chunk into new storage ({src}_fsdp_param.py, FSDPParam._init_sharded_param: _chunk_with_empty, "
+            "new_zeros(padded_sharded_size), copy_). Step 05 has built on the meta device since 2026-11-28: "
+            "benchmarks/fsdp_build_memory.md measures both ways.",
             "- **More than one gathered unit at the FSDP2 peak.** Backward all-gathers the next unit while the current "
             f"one computes ({src}_fsdp_param_group.py, FSDPParamGroup._backward_prefetch); foreach_reduce "
             f"({src}_fsdp_collectives.py) copies a unit's gradients into a full-size reduce_scatter_input before it "

@@ -87,7 +87,8 @@ def test_04_killed_and_resumed_on_cuda_with_deterministic_kernels_ends_bitwise_w
         tmp_path):
     """The first GPU run (2026-11-28, H200, torch 2.11.0) found the cnn's resumed run 0.11 away from the uninterrupted
     one, and two uninterrupted runs just as far apart (0.115): the kernels, not the resume. So the claim is tested
-    where the kernels are deterministic: the linear model, under torch's determinism settings (docs/cpu-and-gpu.md)."""
+    where the kernels are deterministic: the fully connected wide-256, under torch's determinism settings
+    (docs/cpu-and-gpu.md)."""
     (tmp_path / "sitecustomize.py").write_text(DETERMINISM)
     env = {"PYTHONPATH": str(tmp_path), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # cuBLAS's condition for determinism
     command = ["04_fault_tolerant.py", "--device", "cuda", *SMALL, "--model", "wide-256", "--save-every-steps", "8"]

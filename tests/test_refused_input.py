@@ -122,6 +122,18 @@ def test_the_documented_defaults_are_accepted(script):
     assert refusal(script, [], 2) is None
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_torchvision_names_are_torchvisions_and_05_refuses_a_model_the_meta_device_cannot_build(script):
+    """wide_resnet50_2 is torchvision's model, not the scripts' wide-N. A RegNet reads its own numbers while it is
+    built, which the meta device does not hold: 05, which builds there, refuses it in one line; 00-04 train it."""
+    assert refusal(script, ["--model", "wide_resnet50_2"], 2) is None
+    said = refusal(script, ["--model", "regnet_x_400mf"], 2)
+    if script == "05_fsdp.py":
+        assert "regnet_x_400mf cannot be built on the meta device" in said and len(said.strip().splitlines()) == 1
+    else:
+        assert said is None
+
+
 # --- damaged, empty and foreign files handed to a script: one line naming the file, nothing changed ------------
 
 def checkpoint_of(model_name="cnn", data="synthetic", **extra):

@@ -83,6 +83,17 @@ def test_the_published_benchmark_table_is_what_the_committed_raw_figures_give():
     assert table in (REPO / "docs/performance.md").read_text(), "docs/performance.md: paste benchmarks/results.md"
 
 
+def test_the_build_memory_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
+    """benchmarks/fsdp_build_memory.md is made from its json only; docs/fsdp.md quotes its medians."""
+    benchmark = load_script("benchmarks/fsdp_build_memory.py")
+    raw = json.loads((REPO / "benchmarks/fsdp_build_memory.json").read_text())
+    assert (REPO / "benchmarks/fsdp_build_memory.md").read_text() == benchmark.table(raw)
+    docs = (REPO / "docs/fsdp.md").read_text()
+    for way, rank in (("eager", 0), ("meta", 1), ("meta", 0)):
+        peaks = sorted(run["peak_over_before_MB"] for run in raw["runs"] if run["way"] == way and run["rank"] == rank)
+        assert f"{peaks[len(peaks) // 2]:.1f} MB" in docs, (way, rank)
+
+
 def test_the_fsdp_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
     """benchmarks/fsdp_memory.md is made from its json only; docs/fsdp.md and the README quote its figures."""
     benchmark = load_script("benchmarks/fsdp_memory.py")

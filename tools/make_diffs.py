@@ -24,11 +24,13 @@ BUDGET = {  # lines added by each step
     # snapshot) 24, loader workers seeded per rank and epoch 4, rank 0's GPU RNG state set on each rank's GPU 1, damaged
     # snapshots named with what is wrong in the one refusal line, the fallback's warning once it has worked 5,
     # TensorBoard's writer closed on a stop by a signal 2, the loaders' fork server started deaf to the stop signals 5
-    "05_fsdp.py": 123,  # FSDP2 for DDP 15, sharded snapshots (DCP) and the whole-model file 50, the rest: every rank
+    "05_fsdp.py": 140,  # FSDP2 for DDP 15, sharded snapshots (DCP) and the whole-model file 50, the rest: every rank
     # runs as many forwards (evaluate), a resume that keeps the global batch on another world size, an old gloo refused;
     # 120: a snapshot's index and pieces checked before a resume reads them 3, a piece damaged inside refused in one
     # line 3 (less 1: `import warnings` is now in every step); 123: its loader workers' fork server preloads DCP and
-    # FSDP too 3
+    # FSDP too 3; 140: built on the meta device, each rank allocating only its pieces, filled from rank 0's whole
+    # build (set_model_state_dict, broadcast_from_rank0) 12, of which its import wrapped on four lines 5; rank 0's
+    # random state, which its build advanced, sent to every rank 3; a model that cannot be built there refused 2
 }
 # Other pairs of scripts: (before, after) -> (diff file, budget of added lines). The port's budget: what the
 # ladder's steps 01-04 add to a script, plus what a real run needs on top (clipping after the all-reduce, exact

@@ -256,8 +256,52 @@ def mixed_views(rank, world_size):
     return results
 
 
+def meta_init(rank, world_size):
+    """The model built on the meta device and sharded, then given values three ways: used before to_empty; each
+    layer's own reset_parameters after to_empty (every rank seeded alike); rank 0's whole build sent out with
+    set_model_state_dict (step 05's way). Returns each rank's rows of the first weight and whether the gathered
+    tensors equal a whole build of the same seed."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    eager = small_model(0).state_dict()  # the whole model of seed 0, as step 04 builds it on every rank
+
+    def on_meta():
+        with torch.device("meta"):
+            return shard(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), mesh)
+
+    def gathered(model):
+        return all(torch.equal(value.full_tensor(), eager[key]) for key, value in model.state_dict().items())
+
+    results = {}
+    model = on_meta()
+    try:
+        model(torch.randn(2, 16))
+        results["used before to_empty"] = "no error"
+    except Exception as error:
+        results["used before to_empty"] = outcome(error)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+    results["reset_parameters"] = {"rows": model[0].weight.to_local().detach().clone(),
+                                   "equal to the whole build": gathered(model),
+                                   "warnings": sorted({str(warning.message) for warning in caught})}
+    model = on_meta()
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, small_model(0).state_dict() if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    results["from rank 0"] = {"rows": model[0].weight.to_local().detach().clone(),
+                              "equal to the whole build": gathered(model)}
+    return results
+
+
 def lesson(rank, world_size, folder, call=RANK0_CALLS[0]):
     """Everything in one group, the group-breaking rank-0-only `call` last."""
     return {"optimizer": optimizer_order(rank, world_size), "mixed views": mixed_views(rank, world_size),
+            "meta": meta_init(rank, world_size),
             "checkpoints": checkpoints(rank, world_size, folder),
             "rank 0 only": rank0_only(rank, world_size, folder, call)}
