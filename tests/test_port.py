@@ -4,6 +4,8 @@ computes with the whole batch (to float rounding);
 every rank computes the same gradient norm, and clips alike; validation metrics are exact over uneven shards;
 a stopped run resumes to exactly the parameters of an uninterrupted one; a NaN loss on one rank stops every rank
 together, with one line and exit status 1; ranks that read different texts refuse to train.
+gpt_fsdp.py, the port sharded with FSDP2, computes what gpt_ddp.py computes (to float rounding), keeps the tied
+matrix one, resumes bitwise, HSDP computes what 1-D FSDP2 computes, and its exported file is gpt_single.py's.
 
 Tiny settings: a text the tests make, a one-block model, a few steps. The 2-process runs are made once per session
 (`runs`) and serve several claims."""
@@ -15,13 +17,14 @@ import json
 import math
 import random
 import re
+import warnings
 
 import pytest
 import torch
 from helpers import PYTHON, REPO, clean_env, load_script, read_metrics, run, run_group, run_ok, torchrun
 from test_refused_input import PORT_SNAPSHOT, assert_said_once, checkpoint_of, cut, pickled, saved, snapshot_of
 
-SINGLE, PORTED = "port/gpt_single.py", "port/gpt_ddp.py"
+SINGLE, PORTED, SHARDED = "port/gpt_single.py", "port/gpt_ddp.py", "port/gpt_fsdp.py"
 TINY = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--lr", "1e-2",
         "--warmup-steps", "2", "--eval-windows", "9", "--eval-every", "3", "--log-every", "1", "--sample-bytes",
         "20", "--save-every-steps", "2"]  # 9 validation windows: shards of 5 and 4 on 2 ranks
@@ -62,14 +65,20 @@ def runs(text, tmp_path_factory):
     made, folder = {}, tmp_path_factory.mktemp("port-runs")
 
     def commands(name):
-        checkpoint, metrics = folder / f"{name}.pt", folder / f"{name}.jsonl"
+        checkpoint, metrics = folder / (name if "sdp" in name else f"{name}.pt"), folder / f"{name}.jsonl"
         common = [*TINY, "--data", text, "--checkpoint", checkpoint, "--metrics", metrics]
         if name == "single":
             return [[PYTHON, SINGLE, *common, "--batch-size", BATCH]], metrics, checkpoint
         if name == "ported":
             return [torchrun(2, PORTED, *common, *PORTED_BATCH)], metrics, checkpoint
-        interrupted = torchrun(2, PORTED, *common, *PORTED_BATCH)  # "resumed": stopped, then again
-        return [[*interrupted, "--stop-after-steps", "3"], interrupted], metrics, checkpoint
+        if name == "fsdp":  # gpt_fsdp.py (a snapshot folder, and at the end the exported checkpoint.single.pt)
+            return [torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, checkpoint
+        if name == "hsdp":  # 4 processes, 2 copies of 2 pieces, a quarter of the batch each; resumed by 1-D FSDP2 on 2
+            stopped = torchrun(4, SHARDED, *common, "--replicas", 2, "--batch-size", 1, "--grad-accum", 2)
+            return [[*stopped, "--stop-after-steps", "3"], torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, \
+                checkpoint
+        interrupted = torchrun(2, SHARDED if name == "fsdp-resumed" else PORTED, *common, *PORTED_BATCH)  # stopped,
+        return [[*interrupted, "--stop-after-steps", "3"], interrupted], metrics, checkpoint  # then run again
 
     def get(name):
         if name not in made:
@@ -233,10 +242,84 @@ def test_a_run_stopped_mid_training_resumes_to_exactly_the_uninterrupted_paramet
                                                                                    strict=True)]
 
 
+# --- gpt_fsdp.py: the port sharded per block, as step 05 shards (FSDP2) ----------------------------------------
+
+def whole_snapshot(folder, like):
+    """A gpt_fsdp.py snapshot folder's model as whole tensors (DCP's pieces read by this one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    whole = {name: torch.empty_like(value) for name, value in like.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": whole}, checkpoint_id=folder, no_dist=True)
+    return whole
+
+
+@pytest.mark.launch
+def test_the_sharded_port_computes_what_the_ddp_port_computes_and_logs_the_whole_models_norm(runs):
+    """gpt_fsdp.py with gpt_ddp.py's flags (two micro-batches: the first keeps its gradients whole and unreduced,
+    set_requires_gradient_sync(False), as DDP's no_sync): the same starting weights (rank 0's build, sent to all),
+    the same loss, pre-clip gradient norm and validation at every step, to float rounding (a reduce-scatter adds in
+    another order than an all-reduce: RTOL, as above). The logged norm is the whole model's, DDP's, not the
+    norm of one rank's pieces."""
+    ddp, sharded = runs("ported"), runs("fsdp")
+    for one, two in zip(ddp[1], sharded[1], strict=True):
+        assert one["lr"] == two["lr"]
+        for key in ("loss", "grad_norm", "val_loss", "val_median_window_loss"):
+            if key in one:
+                assert two[key] == pytest.approx(one[key], rel=RTOL), (one["step"], key)
+    ranks, reference = rank_lines(sharded[0]), rank_lines(ddp[0])[0]
+    assert sorted(ranks) == [0, 1] and ranks[0] == ranks[1] and ranks[0][1] == "6"
+    assert float(ranks[0][0]) == pytest.approx(float(reference[0]), rel=RTOL)
+    assert sharded[0].count("sample:") == 1 and sharded[0].count("val loss") == 2, "rank 0 alone logs"
+
+
+@pytest.mark.launch
+def test_the_tied_matrix_stays_one_and_gpt_single_resumes_the_exported_file_and_samples_the_same_text(runs, text):
+    """token.weight and head.weight: one parameter, sharded in the root unit: equal in the snapshot folder and in
+    the exported file, which is gpt_single.py's own snapshot format: gpt_single.py, on one process, with the run's
+    flags, resumes from it at the last step and samples the very text the sharded run sampled, from the very same
+    weights (the checksum to the last digit)."""
+    output, _, checkpoint = runs("fsdp")
+    exported = torch.load(f"{checkpoint}.single.pt", weights_only=True)
+    assert torch.equal(exported["model"]["token.weight"], exported["model"]["head.weight"])
+    pieces = whole_snapshot(checkpoint, exported["model"])
+    assert torch.equal(pieces["token.weight"], pieces["head.weight"])
+    assert all(torch.equal(pieces[name], value) for name, value in exported["model"].items())
+    single = run_ok([PYTHON, SINGLE, *TINY, "--data", text, "--checkpoint", f"{checkpoint}.single.pt", *PORTED_BATCH],
+                    timeout=120).stdout
+    assert "step 6 of 6" in single
+    sample = re.compile(r"sample:\n(.*?)\n(?:rank \d )?done", re.S)
+    assert sample.search(single).group(1) == sample.search(output).group(1)
+    assert re.search(r"checksum ([-+.\deE]+)", single).group(1) == rank_lines(output)[0][0]
+
+
+@pytest.mark.launch
+def test_a_stopped_sharded_run_resumes_bitwise_and_hsdp_equals_fsdp_and_resumes_on_another_mesh(runs):
+    """Stopped after step 3 and resumed on the same 2 processes: the same bits as the run never stopped (each rank
+    reads its own pieces back). HSDP on 4 processes (2 copies x 2 pieces, a quarter of the batch each): the 1-D
+    run's losses and norms to float rounding (RTOL: another order of additions); its snapshot, resumed by 1-D FSDP2
+    on 2 processes with the same global batch, ends where the 1-D run ends (RTOL)."""
+    uninterrupted, resumed = runs("fsdp"), runs("fsdp-resumed")
+    assert "stopped after step 3" in resumed[0] and "step 3 of 6" in resumed[0]
+    one, two = (torch.load(f"{run[2]}.single.pt", weights_only=True) for run in (uninterrupted, resumed))
+    for name, value in one["model"].items():
+        assert torch.equal(two["model"][name], value), name
+    assert [{**m, "tokens_per_s": 0} for m in resumed[1]] == [{**m, "tokens_per_s": 0} for m in uninterrupted[1]]
+    output, hsdp, _ = runs("hsdp")
+    assert "stopped after step 3" in output and "step 3 of 6" in output
+    assert [m["step"] for m in hsdp] == list(range(1, 7))
+    for a, b in zip(uninterrupted[1], hsdp, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=RTOL), (a["step"], key)
+    assert float(rank_lines(output)[0][0]) == pytest.approx(float(rank_lines(uninterrupted[0])[0][0]), rel=RTOL)
+
+
 # --- what the single-device script promises ------------------------------------------------------------------
 
-def test_refused_flags_say_why_in_one_line(capsys, text):
-    for script in (SINGLE, PORTED):
+def test_refused_flags_say_why_in_one_line(capsys, text, monkeypatch):
+    for script in (SINGLE, PORTED, SHARDED):
         for flags, said in ((["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
                             (["--lr", "nan"], "--lr"), (["--steps", "0"], "--steps must be at least 1"),
                             (["--data", "missing.txt"], "--data missing.txt: no such file"),
@@ -244,9 +327,13 @@ def test_refused_flags_say_why_in_one_line(capsys, text):
             with pytest.raises(SystemExit):
                 load_script(script).parse_args(flags)
             assert said in capsys.readouterr().err.splitlines()[-1]
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it: HSDP's groups must split the processes evenly
+    with pytest.raises(SystemExit):
+        load_script(SHARDED).parse_args(["--replicas", "3"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("--replicas 3 must divide the 4 processes")
 
 
-@pytest.mark.parametrize("script", [SINGLE, PORTED])
+@pytest.mark.parametrize("script", [SINGLE, PORTED, SHARDED])
 @pytest.mark.parametrize("size", [200, 3, 0])
 def test_a_text_too_short_for_one_global_batch_or_empty_is_refused_in_one_line(text, tmp_path, script, size):
     """One line naming the file, before any tensor is made of it (an empty file once died in torch.frombuffer)."""
@@ -362,7 +449,7 @@ def test_the_ported_script_refuses_to_run_without_torchrun():
 
 
 def test_the_scripts_are_standalone_and_the_built_in_text_ships_with_them():
-    for script in (SINGLE, PORTED):
+    for script in (SINGLE, PORTED, SHARDED):
         source = (REPO / script).read_text()
         assert not re.search(r"^(from|import) (lessons|helpers|port)\b", source, re.M)
     data = REPO / "port/data/ddp_steps_prose.txt"

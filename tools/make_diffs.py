@@ -1,5 +1,6 @@
 """Writes diffs/NN_name.diff: each numbered script against the one before it, the tutorial's lessons; and
-diffs/port_gpt.diff: port/gpt_single.py against port/gpt_ddp.py, the ladder's steps applied to another model.
+diffs/port_gpt.diff: port/gpt_single.py against port/gpt_ddp.py, the ladder's steps applied to another model; and
+diffs/port_gpt_fsdp.diff: port/gpt_ddp.py against port/gpt_fsdp.py, step 05 (FSDP2) applied to it.
 
     python tools/make_diffs.py            # regenerate diffs/
     python tools/make_diffs.py --check    # fail if diffs/ is stale or a step is over its budget (CI)
@@ -41,6 +42,11 @@ PAIRS = {
     # 141: leaving without Python's shutdown (gloo's threads outlive the group: a SIGABRT at exit) costs 4 lines;
     # a shorter comment and docstring gave 3 back
     ("port/gpt_single.py", "port/gpt_ddp.py"): ("port_gpt.diff", 141),
+    # 166: the port sharded (FSDP2), each added statement saying "fsdp:": the meta-device build, one unit per block and
+    # the tied root, rank 0's weights sent to all; MixedPrecisionPolicy, activation checkpointing, HSDP's mesh and their
+    # flags; clipping with the whole model's norm; as many forwards on every rank; DCP snapshots and their resume on
+    # another world size; the plain file gpt_single.py resumes from; the imports (the state-dict ones wrapped by ruff)
+    ("port/gpt_ddp.py", "port/gpt_fsdp.py"): ("port_gpt_fsdp.diff", 166),
 }
 
 
