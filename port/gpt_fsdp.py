@@ -477,7 +477,8 @@ def main(args):
     global_batch = args.batch_size * args.grad_accum * world_size  # step 01
     log(f"GPT of {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters on {device}: "
         f"{len(train_tokens)} training / {len(val_tokens)} validation bytes, {global_batch} windows of "
-        f"{args.block_size} bytes per optimizer step, warm-up {args.warmup_steps} steps; {world_size} processes")
+        f"{args.block_size} bytes per optimizer step, warm-up {args.warmup_steps} steps; {world_size} processes, "
+        f"{args.replicas} whole copies in {world_size // args.replicas} pieces each")  # fsdp
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
         step_loss = torch.zeros((), device=device)

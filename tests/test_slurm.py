@@ -152,3 +152,22 @@ def test_gpt_ddp_sbatch_trains_on_the_local_cluster(cluster, tmp_path):
     assert f"job {job} on n1: 2 processes" in output
     checksums = set(re.findall(r"rank \d done: parameter checksum ([-+.\deE]+)", output))
     assert len(checksums) == 1 and (tmp_path / "whole.pt").is_file()
+
+
+def test_gpt_fsdp_sbatch_trains_hsdp_with_a_copy_per_node_on_the_local_cluster(cluster, tmp_path):
+    """The sharded GPT (port/gpt_fsdp.py) submitted unmodified: 2 nodes x 2 processes, HSDP with one copy per node
+    (--replicas 2, each copy in 2 pieces), train to the end; every rank ends with the same parameters, and the
+    snapshot folder and the exported file are written. (HSDP computing what 1-D FSDP2 computes: tests/test_port.py.)"""
+    from test_port import TINY as GPT_TINY
+    from test_port import make_text
+
+    text = make_text(tmp_path / "text.txt")
+    export = [f"--export=ALL,SNAPSHOT={tmp_path / 'gpt'}"]
+    result, job, log = submit("gpt_fsdp.sbatch", *GPT_TINY, "--data", text, "--batch-size", "1", "--grad-accum", "2",
+                              options=export)
+    output = read_log(log)
+    assert result.returncode == 0, output[-3000:]
+    assert f"job {job}: 2 nodes" in output and "4 processes, 2 whole copies in 2 pieces each" in output
+    checksums = re.findall(r"rank (\d) done: parameter checksum ([-+.\deE]+)", output)
+    assert sorted(rank for rank, _ in checksums) == ["0", "1", "2", "3"] and len({c for _, c in checksums}) == 1
+    assert (tmp_path / "gpt" / "train_state.pt").is_file() and (tmp_path / "gpt.single.pt").is_file()
