@@ -77,8 +77,10 @@ def runs(text, tmp_path_factory):
             stopped = torchrun(4, SHARDED, *common, "--replicas", 2, "--batch-size", 1, "--grad-accum", 2)
             return [[*stopped, "--stop-after-steps", "3"], torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, \
                 checkpoint
-        interrupted = torchrun(2, SHARDED if name == "fsdp-resumed" else PORTED, *common, *PORTED_BATCH)  # stopped,
-        return [[*interrupted, "--stop-after-steps", "3"], interrupted], metrics, checkpoint  # then run again
+        interrupted = torchrun(2, PORTED, *common, *PORTED_BATCH)  # "resumed": stopped, then again
+        if name == "fsdp-resumed":  # and each block's activations recomputed in backward
+            interrupted = torchrun(2, SHARDED, *common, *PORTED_BATCH, "--activation-checkpointing")
+        return [[*interrupted, "--stop-after-steps", "3"], interrupted], metrics, checkpoint
 
     def get(name):
         if name not in made:
@@ -297,7 +299,8 @@ def test_the_tied_matrix_stays_one_and_gpt_single_resumes_the_exported_file_and_
 @pytest.mark.launch
 def test_a_stopped_sharded_run_resumes_bitwise_and_hsdp_equals_fsdp_and_resumes_on_another_mesh(runs):
     """Stopped after step 3 and resumed on the same 2 processes: the same bits as the run never stopped (each rank
-    reads its own pieces back). HSDP on 4 processes (2 copies x 2 pieces, a quarter of the batch each): the 1-D
+    reads its own pieces back), with --activation-checkpointing on (recomputing a block's forward in backward gives
+    the same numbers as keeping them). HSDP on 4 processes (2 copies x 2 pieces, a quarter of the batch each): the 1-D
     run's losses and norms to float rounding (RTOL: another order of additions); its snapshot, resumed by 1-D FSDP2
     on 2 processes with the same global batch, ends where the 1-D run ends (RTOL)."""
     uninterrupted, resumed = runs("fsdp"), runs("fsdp-resumed")
