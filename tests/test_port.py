@@ -22,7 +22,16 @@ import warnings
 import pytest
 import torch
 from helpers import PYTHON, REPO, clean_env, load_script, read_metrics, run, run_group, run_ok, torchrun
-from test_refused_input import PORT_SNAPSHOT, assert_said_once, checkpoint_of, cut, pickled, saved, snapshot_of
+from test_refused_input import (
+    PORT_SNAPSHOT,
+    TRAIN_STATE,
+    assert_said_once,
+    checkpoint_of,
+    cut,
+    pickled,
+    saved,
+    snapshot_of,
+)
 
 SINGLE, PORTED, SHARDED = "port/gpt_single.py", "port/gpt_ddp.py", "port/gpt_fsdp.py"
 TINY = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--lr", "1e-2",
@@ -171,10 +180,10 @@ def test_every_rank_computes_the_same_gradient_norm_and_ends_with_the_same_weigh
     assert output.count("sample:") == 1 and output.count("val loss") == 2, "rank 0 alone logs and samples"
 
 
-def gathered_and_refused(rank, world_size):
-    """In one 2-process group (one start-up for two claims): rank r's values of 9 items, shared as
-    DistributedSampler and as gpt_ddp.py share them, then gathered; then the text check, each rank with another
-    digest (which ends the group)."""
+def gathered_and_refused(rank, world_size, damaged):
+    """In one 2-process group (one start-up for three claims): rank r's values of 9 items, shared as
+    DistributedSampler and as gpt_ddp.py share them, then gathered; gpt_fsdp.py's load_checkpoint given each damaged
+    snapshot; then the text check, each rank with another digest (which ends the group)."""
     from torch.utils.data import DistributedSampler
 
     ported = load_script(PORTED)
@@ -183,15 +192,42 @@ def gathered_and_refused(rank, world_size):
     padded = [torch.zeros(len(sampler)) for _ in range(world_size)]
     torch.distributed.all_gather(padded, values[sampler])
     gathered = torch.cat(padded).tolist(), ported.gather_uneven(values[rank::world_size], 9).tolist()
+    sharded, refusals = load_script(SHARDED), {}
+    for case, path in damaged.items():
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said), pytest.raises(SystemExit) as stopped:
+            sharded.load_checkpoint(sharded.parse_args(["--checkpoint", path]), "cpu", "0" * 64, world_size)
+        refusals[case] = stopped.value.code, said.getvalue()
     said = io.StringIO()
     with contextlib.redirect_stderr(said), pytest.raises(SystemExit) as stopped:
         ported.check_same_text(f"digest of the text rank {rank} read", "text.txt")
-    return gathered, (stopped.value.code, said.getvalue())
+    return gathered, (stopped.value.code, said.getvalue()), refusals
+
+
+# gpt_fsdp.py's snapshot is a folder: name: (make what --checkpoint names in a fresh folder, the error's type)
+DAMAGED_FOLDERS = {
+    "empty train_state.pt": (lambda root: saved("train_state.pt", b"")(root).parent, "EOFError"),
+    "train_state.pt a text file": (lambda root: saved("train_state.pt", b"not a snapshot\n")(root).parent,
+                                   "UnpicklingError"),
+    "a folder without train_state.pt": (lambda root: root, "FileNotFoundError"),
+    "05's train_state.pt": (lambda root: saved("train_state.pt", TRAIN_STATE)(root).parent, "KeyError"),
+    "gpt_ddp.py's snapshot file": (saved("gpt.pt", lambda: PORT_SNAPSHOT), "NotADirectoryError"),
+}
 
 
 @pytest.fixture(scope="module")
-def group_results():
-    return run_group(gathered_and_refused, 2)
+def damaged_folders(tmp_path_factory):
+    """{case: (path, its folder, every file there and its bytes before)}"""
+    made = {}
+    for case, (make, _) in DAMAGED_FOLDERS.items():
+        root = tmp_path_factory.mktemp("damaged")
+        made[case] = make(root), root, snapshot_of(root)
+    return made
+
+
+@pytest.fixture(scope="module")
+def group_results(damaged_folders):
+    return run_group(gathered_and_refused, 2, {case: str(path) for case, (path, _, _) in damaged_folders.items()})
 
 
 @pytest.mark.multiproc
@@ -203,10 +239,23 @@ def test_a_gathered_metric_counts_each_item_once_where_distributed_sampler_count
 
 @pytest.mark.multiproc
 def test_ranks_that_read_different_texts_refuse_together_in_one_line(group_results):
-    (code0, said0), (code1, said1) = (refused for _, refused in group_results)
+    (code0, said0), (code1, said1) = (refused for _, refused, _ in group_results)
     assert code0 == code1 == 1
     assert said0.startswith("error: --data text.txt: the ranks read different bytes") and said1 == ""
     assert "check_same_text(digest, args.data)" in inspect.getsource(load_script(PORTED).main), "main checks"
+
+
+@pytest.mark.multiproc
+def test_the_sharded_port_refuses_a_damaged_or_foreign_snapshot_on_every_rank_in_one_line_and_leaves_it(
+        group_results, damaged_folders):
+    """gpt_fsdp.py's load_checkpoint, on each rank of a 2-process group: every rank that reads the damaged small part
+    of a snapshot folder says so in one line and exits 1, and nothing there changes. (A piece or the index damaged is
+    found by DCP once the model is sharded: the same line with "a piece is unreadable", as step 05's.)"""
+    for case, (path, root, before) in damaged_folders.items():
+        said = (f"error: --checkpoint {path}: unreadable, or not a snapshot of this script "
+                f"({DAMAGED_FOLDERS[case][1]}); move it away to start over\n")
+        assert [refusals[case] for _, _, refusals in group_results] == [(1, said), (1, said)], case
+        assert snapshot_of(root) == before, case
 
 
 @pytest.mark.launch
