@@ -329,10 +329,10 @@ def save_checkpoint(path, snapshot):
 
 def export_whole(path, model, optimizer, snapshot):
     """fsdp: PATH: the run as one file in gpt_single.py's format (whole tensors, the optimizer's state keyed by number
-    as a plain optimizer's is), which it resumes and samples from on one device. Every rank sends its pieces; rank 0
-    alone keeps the whole tensors, in host memory (cpu_offload), and writes them."""
+    as a plain optimizer's is), which it resumes and samples from on one device. Each tensor is gathered whole on
+    every rank in turn; rank 0 alone keeps a copy, in host memory (cpu_offload), and writes them."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # fsdp
-    model_state = get_model_state_dict(model, options=options)  # fsdp: "token.weight" and "head.weight": one tensor
+    model_state = get_model_state_dict(model, options=options)  # fsdp: the tied matrix under both names
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)  # fsdp: keyed by parameter name
     if dist.get_rank() == 0:  # fsdp
         groups = optimizer_state["param_groups"]  # fsdp: names -> 0, 1, ... in the groups' order, as AdamW numbers them
@@ -345,7 +345,8 @@ def export_whole(path, model, optimizer, snapshot):
             f.flush()  # fsdp
             os.fsync(f.fileno())  # fsdp
         os.replace(path + ".tmp", path)  # fsdp: atomic
-        log(f"saved the whole run in {path}: python port/gpt_single.py --checkpoint {path} (and this run's flags)")
+        log(f"saved the whole run in {path}: python port/gpt_single.py --checkpoint {path} with this run's model, "
+            "data and schedule flags")
     dist.barrier()  # fsdp: the others wait until it is written
 
 
@@ -363,7 +364,8 @@ def load_checkpoint(args, device, digest, world_size):
         saved, _ = snapshot["args"], snapshot["data_sha256"]  # (another script's checkpoint lacks one or both)
     except Exception as error:  # truncated, corrupted, not a torch file at all, or not this script's
         fail(f"--checkpoint {path}: unreadable, or not a snapshot of this script ({type(error).__name__}); "
-             "move it away to start over", everyone=False)  # port lesson: this rank's copy alone may be unreadable
+             "move it away to start over" + (f" (then {path}.prev, the one before it, is resumed)" if os.path.exists(
+                 path + ".prev") else ""), everyone=False)  # port lesson: this rank's copy alone may be unreadable
     changed = [f"--{name.replace('_', '-')} {getattr(args, name)} (snapshot: {saved.get(name)})"
                for name in SAME_ON_RESUME if saved.get(name) != getattr(args, name) and name != "data"]
     if snapshot["data_sha256"] != digest:
@@ -418,10 +420,11 @@ def main(args):
     # fsdp: FSDP2 asks the reduce-scatter for a mean; older torch's gloo gave the sum (pytorch/pytorch#162338)
     mean = torch.empty(1, device=device)  # fsdp
     dist.reduce_scatter_tensor(mean, torch.ones(world_size, device=device), op=dist.ReduceOp.AVG)  # fsdp
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # fsdp: and the mean HSDP's all-reduce across the copies asks for
     if mean.item() != 1:  # fsdp
         fail(f"torch {torch.__version__}'s reduce-scatter sums where FSDP2 asks for a mean: see docs/versions.md")
-    # fsdp: --param-dtype bf16: each unit's gathered weights cast to bf16 for its forward and backward; the pieces
-    # (and AdamW's state) stay fp32, and the gradients are reduced in fp32, then kept in the pieces' fp32
+    # fsdp: --param-dtype bf16: each piece is cast to bf16 before it is gathered (half the bytes), and a unit's forward
+    # and backward compute in bf16; the pieces (and AdamW's state) stay fp32, the gradients are reduced in fp32
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.param_dtype else \
         MixedPrecisionPolicy()  # fsdp
     for block in model.blocks:  # fsdp: one unit per transformer block, gathered just before it runs, freed after
@@ -459,7 +462,7 @@ def main(args):
         if scaler.is_enabled():
             scaler.load_state_dict(snapshot["scaler"])  # its scale and the count of good steps since it last grew
         start_step, position = snapshot["step"], snapshot["position"]  # where in the data
-        log(f"resumed from {args.checkpoint}: step {start_step} of {args.steps}")
+        log(f"resumed from {snapshot['path']}: step {start_step} of {args.steps}")  # fsdp: PATH or PATH.prev
     # no RNG state to save: dropout draws from a seed made of --seed and the position in the data (and the rank)
     stop_requested = threading.Event()  # step 04: Slurm sends SIGTERM (or USR1) before it kills a job
     for signum in (signal.SIGTERM, signal.SIGUSR1):  # step 04
@@ -509,9 +512,9 @@ def main(args):
                  "steps since it are lost); try a lower --lr")
         scaler.unscale_(optimizer)  # the true gradients (divided by the scale) before their norm meets --grad-clip
         # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
-        # fsdp: each rank holds the pieces of the averaged gradient; clip_grad_norm_ sums their squares across the
-        # ranks (a DTensor) and every rank scales its pieces alike. full_tensor: the whole model's norm, which is logged
-        # (to_local would be this rank's pieces' share alone)
+        # fsdp: each rank holds pieces of the averaged gradient; clip_grad_norm_ sums their squares across the ranks
+        # and every rank scales its pieces alike. It returns a DTensor: replicated in torch 2.15, partial (each rank's
+        # share) in 2.9.1; full_tensor() gives the whole model's norm in both, which is what is logged
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))  # fsdp
         grad_norm = grad_norm.full_tensor().item()  # fsdp
         if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16: an overflow; the scaler skips the step
