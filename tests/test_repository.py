@@ -94,6 +94,16 @@ def test_the_build_memory_report_is_what_its_raw_figures_give_and_the_docs_quote
         assert f"{peaks[len(peaks) // 2]:.1f} MB" in docs, (way, rank)
 
 
+def test_the_sharded_ports_memory_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
+    """benchmarks/gpt_fsdp_memory.md is made from its json only (its verdicts by benchmarks/_verdict.py), and
+    docs/fsdp.md carries its table as it is."""
+    benchmark = load_script("benchmarks/gpt_fsdp_memory.py")
+    report = benchmark.table(json.loads((REPO / "benchmarks/gpt_fsdp_memory.json").read_text()))
+    assert (REPO / "benchmarks/gpt_fsdp_memory.md").read_text() == report
+    table = report[report.index("| configuration"):report.index("\n\n- ")]
+    assert table in (REPO / "docs/fsdp.md").read_text(), "docs/fsdp.md: paste benchmarks/gpt_fsdp_memory.md's table"
+
+
 def test_the_fsdp_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
     """benchmarks/fsdp_memory.md is made from its json only; docs/fsdp.md and the README quote its figures."""
     benchmark = load_script("benchmarks/fsdp_memory.py")

@@ -1,0 +1,201 @@
+"""Memory per rank of the GPT port under DDP (port/gpt_ddp.py) and FSDP2 (port/gpt_fsdp.py): plain, with activation
+checkpointing, with the bf16 mixed-precision policy, with bf16 autocast instead, and HSDP, at 2 and 4 processes,
+each beside the training state it must hold; with tokens/s against DDP's and the loss each ends with.
+
+    .venv/bin/python benchmarks/gpt_fsdp_memory.py                      # about 15 minutes on 2 cores
+    .venv/bin/python benchmarks/gpt_fsdp_memory.py --n-layer 2 --repeats 1   # a quick check
+
+Every run is the real script under torchrun, in fresh processes, a few optimizer steps of a GPT of --n-layer blocks
+of width --n-embd, --batch-size windows of 64 bytes per process. This program polls each worker's /proc/PID/status
+every 20 ms and keeps its peak resident set (VmHWM, which the kernel tracks; the polling only has to see it before
+the process ends). What the processes hold without the model (torch, the group, the text, the allocator) is
+measured the same way on a GPT of one block of width 16, and subtracted. glibc's mmap threshold is fixed
+(MALLOC_MMAP_THRESHOLD_=131072), so that freed tensors go back to the system. On this CPU host and device memory
+are one. Runs are interleaved (each repeat runs every configuration once, the order alternating).
+Writes benchmarks/gpt_fsdp_memory.json (raw) and benchmarks/gpt_fsdp_memory.md (made from the json only).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO, MB = HERE.parent, 2**20
+sys.path.insert(0, str(HERE))  # benchmarks/, also when this file is loaded as a module (tests/test_repository.py)
+import _verdict  # noqa: E402
+
+# name: (script, its extra flags, process counts): what each configuration runs
+CONFIGS = {
+    "DDP": ("port/gpt_ddp.py", [], (2, 4)),
+    "FSDP2": ("port/gpt_fsdp.py", [], (2, 4)),
+    "FSDP2, activation checkpointing": ("port/gpt_fsdp.py", ["--activation-checkpointing"], (2, 4)),
+    "FSDP2, --param-dtype bf16": ("port/gpt_fsdp.py", ["--param-dtype", "bf16"], (2,)),
+    "FSDP2, --amp (bf16 autocast)": ("port/gpt_fsdp.py", ["--amp"], (2,)),
+    "HSDP, 2 copies": ("port/gpt_fsdp.py", ["--replicas", "2"], (4,)),
+}
+BASELINE = ["--n-layer", "1", "--n-embd", "16", "--n-head", "1"]
+
+
+def flags(args):
+    return ["--block-size", "64", "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--warmup-steps",
+            "1", "--eval-every", "1000", "--eval-windows", "8", "--log-every", "1000", "--sample-bytes", "0"]
+
+
+def model(args):
+    return ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_embd // 64)]
+
+
+def peak(pid):
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) * 1024
+    except (OSError, IndexError):
+        return None
+
+
+def run_once(script, extra, nproc, args, baseline=False):
+    """One torchrun launch: each worker's peak RSS (bytes), rank 0's metrics (one dict per step)."""
+    import psutil
+
+    with tempfile.TemporaryDirectory() as scratch:
+        metrics = Path(scratch) / "metrics.jsonl"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   str(REPO / script), *flags(args), *(BASELINE if baseline else model(args)), *extra,
+                   "--metrics", str(metrics)]
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+        with open(Path(scratch) / "log.txt", "w+") as log:  # a file, not a pipe: a full pipe would stall the run
+            agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            peaks, deadline = {}, time.monotonic() + 600
+            while agent.poll() is None and time.monotonic() < deadline:
+                try:
+                    children = psutil.Process(agent.pid).children(recursive=True)
+                except psutil.Error:  # torchrun ended between the poll and here
+                    children = []
+                for child in children:
+                    value = peak(child.pid)
+                    if value:
+                        peaks[child.pid] = max(value, peaks.get(child.pid, 0))
+                time.sleep(0.02)
+            agent.wait(timeout=60)
+            log.seek(0)
+            output = log.read()
+        if agent.returncode != 0:
+            sys.exit(f"{' '.join(command)} failed:\n{output[-3000:]}")
+        return sorted(peaks.values()), [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def parameters(args):
+    """The GPT's parameter count (the tied matrix once), and its largest FSDP2 unit's (a block, or the root)."""
+    d, layers = args.n_embd, args.n_layer
+    block = 12 * d * d + 13 * d  # qkv 3d^2+3d, proj d^2+d, mlp 8d^2+5d, two LayerNorms 4d
+    root = 256 * d + 64 * d + 2 * d  # the tied token matrix, the position table, the final LayerNorm
+    return layers * block + root, max(block, root)
+
+
+def predicted_state(name, nproc, args):
+    """(Bytes a rank holds between steps, and at a step's peak less the activations and the collectives' buffers.)
+    Between steps: fp32 weights and AdamW's two moments, 12 B a parameter, and DDP's gradient buckets, 4 B (DDP
+    keeps them; the gradients themselves are freed by zero_grad(set_to_none=True)); under FSDP2 the pieces of each
+    (1/N; under HSDP with 2 copies, 1/(N/2)). At the peak, the gradients too (4 B a parameter, or its pieces), and
+    under FSDP2 about three whole units at once (4 B x the largest unit each: the one computing, its gradients in
+    backward, the next one gathered early)."""
+    total, largest = parameters(args)
+    if name == "DDP":
+        return 16 * total, 20 * total
+    shards = nproc // 2 if name.startswith("HSDP") else nproc
+    return 12 * total / shards, 16 * total / shards + 3 * 4 * largest
+
+
+def spread(values, digits=1):
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def table(raw):
+    args = argparse.Namespace(**raw["args"])
+    total, largest = parameters(args)
+    lines = ["# The GPT port's memory per rank: DDP, FSDP2, activation checkpointing, mixed precision, HSDP\n",
+             f"Measured {raw['date']} by benchmarks/gpt_fsdp_memory.py: torch {raw['torch']}, {raw['cpus']} CPU cores, "
+             f"gloo, 1 thread per process; a GPT of {args.n_layer} blocks of width {args.n_embd} ({total / 1e6:.1f} M "
+             f"parameters, largest unit {largest / 1e6:.2f} M), {args.batch_size} windows of 64 bytes per process, "
+             f"{args.steps} optimizer steps; {raw['repeats']} repeats, interleaved. MB = 2^20 bytes. 4 processes on 2 "
+             "cores are oversubscribed: their tokens/s are not speeds; their memory is.\n",
+             "Peak: the largest of the ranks' peak resident sets, less the same script's on a one-block GPT of "
+             "width 16 (what the processes hold without the model): median (min-max) of the repeats. Predicted: the "
+             "training state a rank holds between steps, and at a step's peak less the activations and the "
+             "collectives' buffers, which it does not predict (benchmarks/gpt_fsdp_memory.py, predicted_state). "
+             "Tokens/s: rank 0's median over the steps after the first, as a ratio to DDP's at the same N in the "
+             "same repeat. Loss: the last step's training loss.\n",
+             "| configuration | N | predicted: between steps (peak less activations, buffers) | measured peak | "
+             "tokens/s / DDP's | last loss |", "|---|---|---|---|---|---|"]
+    for name, (_, _, counts) in CONFIGS.items():
+        for nproc in counts:
+            runs = [r for r in raw["runs"] if r["config"] == name and r["nproc"] == nproc]
+            ddp = {r["repeat"]: r for r in raw["runs"] if r["config"] == "DDP" and r["nproc"] == nproc}
+            base = statistics.median(r["peak"] for r in raw["runs"] if r["config"] == f"baseline {CONFIGS[name][0]}"
+                                     and r["nproc"] == nproc)
+            held, at_peak = predicted_state(name, nproc, args)
+            ratios = [r["tokens_per_s"] / ddp[r["repeat"]]["tokens_per_s"] for r in runs]
+            lines.append(f"| {name} | {nproc} | {held / MB:.1f} ({at_peak / MB:.1f}) | "
+                         f"{spread([(r['peak'] - base) / MB for r in runs])} | "
+                         f"{'1' if name == 'DDP' else spread(ratios, 2)} | {spread([r['loss'] for r in runs], 4)} |")
+    lines.append("")
+    words = dict(above="more memory in every repeat", below="less memory in every repeat",
+                 neither="cannot tell from these repeats")
+    for name, counts in (("FSDP2, activation checkpointing", (2, 4)), ("FSDP2, --param-dtype bf16", (2,)),
+                         ("FSDP2, --amp (bf16 autocast)", (2,))):
+        for nproc in counts:
+            change = paired(raw, "FSDP2", name, nproc)
+            drift = [abs(r["loss"] - f["loss"]) for r, f in zip(select(raw, name, nproc), select(raw, "FSDP2", nproc),
+                                                                 strict=True)]
+            lines.append(f"- {name}, N={nproc}: its peak minus fp32 FSDP2's, repeat by repeat, {spread(change)} MB: "
+                         f"{_verdict.verdict(min(change), max(change), 0, **words)}; its last loss "
+                         f"{spread(drift, 4)} from fp32 FSDP2's.")
+    return "\n".join(lines) + "\n"
+
+
+def select(raw, name, nproc):
+    return sorted((r for r in raw["runs"] if r["config"] == name and r["nproc"] == nproc), key=lambda r: r["repeat"])
+
+
+def paired(raw, reference, name, nproc):
+    """MB of peak that `name` holds more than `reference`, repeat by repeat (the same repeat: interleaved runs)."""
+    return [(b["peak"] - a["peak"]) / MB for a, b in zip(select(raw, reference, nproc), select(raw, name, nproc),
+                                                          strict=True)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    import torch
+
+    raw = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpus": os.cpu_count(), "args": vars(args),
+           "repeats": args.repeats, "runs": []}
+    plan = [(name, script, extra, nproc) for name, (script, extra, counts) in CONFIGS.items() for nproc in counts]
+    plan += [(f"baseline {script}", script, [], nproc) for script in ("port/gpt_ddp.py", "port/gpt_fsdp.py")
+             for nproc in (2, 4)]
+    for repeat in range(args.repeats):
+        for name, script, extra, nproc in plan if repeat % 2 == 0 else reversed(plan):
+            began = time.monotonic()
+            peaks, metrics = run_once(script, extra, nproc, args, baseline=name.startswith("baseline"))
+            rates = [m["tokens_per_s"] for m in metrics[1:]] or [metrics[0]["tokens_per_s"]]
+            raw["runs"].append({"config": name, "nproc": nproc, "repeat": repeat, "peak": max(peaks),
+                                "peaks": peaks, "tokens_per_s": statistics.median(rates), "loss": metrics[-1]["loss"]})
+            print(f"repeat {repeat} {name} N={nproc}: peak {max(peaks) / MB:.1f} MB, "
+                  f"{time.monotonic() - began:.0f} s", flush=True)
+    (HERE / "gpt_fsdp_memory.json").write_text(json.dumps(raw, indent=1) + "\n")
+    (HERE / "gpt_fsdp_memory.md").write_text(table(raw))
+    print(table(raw))
+
+
+if __name__ == "__main__":
+    main()
