@@ -104,6 +104,18 @@ def test_the_sharded_ports_memory_report_is_what_its_raw_figures_give_and_the_do
     assert table in (REPO / "docs/fsdp.md").read_text(), "docs/fsdp.md: paste benchmarks/gpt_fsdp_memory.md's table"
 
 
+def test_the_hsdp_bytes_report_is_what_its_raw_figures_give_and_each_count_is_its_prediction():
+    """benchmarks/gpt_hsdp_bytes.md is made from its json only; every count of the bytes FSDP2's collectives were
+    handed per step is what the report's formula predicts, to 0.5% (padding), and docs/fsdp.md links the report."""
+    benchmark = load_script("benchmarks/gpt_hsdp_bytes.py")
+    raw = json.loads((REPO / "benchmarks/gpt_hsdp_bytes.json").read_text())
+    assert (REPO / "benchmarks/gpt_hsdp_bytes.md").read_text() == benchmark.table(raw)
+    for layout, counted in raw["layouts"].items():
+        for key, expected in benchmark.predicted(layout).items():
+            assert abs(counted[key] - expected) <= 0.005 * expected, (layout, key)
+    assert "benchmarks/gpt_hsdp_bytes.md" in (REPO / "docs/fsdp.md").read_text()
+
+
 def test_the_fsdp_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
     """benchmarks/fsdp_memory.md is made from its json only; docs/fsdp.md and the README quote its figures."""
     benchmark = load_script("benchmarks/fsdp_memory.py")
