@@ -129,9 +129,12 @@ def table(raw):
              "training state a rank holds between steps, and at a step's peak less the activations and the "
              "collectives' buffers, which it does not predict (benchmarks/gpt_fsdp_memory.py, predicted_state). "
              "Tokens/s: rank 0's median over the steps after the first, as a ratio to DDP's at the same N in the "
-             "same repeat. Loss: the last step's training loss.\n",
-             "| configuration | N | predicted: between steps (peak less activations, buffers) | measured peak | "
-             "tokens/s / DDP's | last loss |", "|---|---|---|---|---|---|"]
+             "same repeat. Loss: the last step's training loss (the batch per process is fixed: at N=4 the global "
+             "batch is twice N=2's, and so the loss differs). A window of 64 bytes is 64 tokens (the port's tokens "
+             "are bytes). The prediction is the same for bf16 as for fp32: it leaves out what bf16 halves (the "
+             "gathered weights, the activations).\n",
+             "| configuration | N | predicted: held between steps | predicted: peak less activations and buffers | "
+             "measured peak | tokens/s / DDP's | last loss |", "|---|---|---|---|---|---|---|"]
     for name, (_, _, counts) in CONFIGS.items():
         for nproc in counts:
             runs = [r for r in raw["runs"] if r["config"] == name and r["nproc"] == nproc]
@@ -140,7 +143,7 @@ def table(raw):
                                      and r["nproc"] == nproc)
             held, at_peak = predicted_state(name, nproc, args)
             ratios = [r["tokens_per_s"] / ddp[r["repeat"]]["tokens_per_s"] for r in runs]
-            lines.append(f"| {name} | {nproc} | {held / MB:.1f} ({at_peak / MB:.1f}) | "
+            lines.append(f"| {name} | {nproc} | {held / MB:.1f} | {at_peak / MB:.1f} | "
                          f"{spread([(r['peak'] - base) / MB for r in runs])} | "
                          f"{'1' if name == 'DDP' else spread(ratios, 2)} | {spread([r['loss'] for r in runs], 4)} |")
     lines.append("")

@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
+import shutil  # fsdp: snapshot folders
 import signal  # step 04
 import sys
 import threading  # step 04
@@ -46,8 +46,9 @@ from torch.utils.checkpoint import checkpoint  # fsdp: activation checkpointing
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ddp_steps_prose.txt")
 # what a snapshot must agree on with the command that resumes it: any of these changes what the run computes
+# fsdp: not batch_size: another number of processes may resume, if the global batch stays (load_checkpoint)
 SAME_ON_RESUME = ("data", "seed", "steps", "block_size", "grad_accum", "lr", "warmup_steps", "weight_decay",
-                  "grad_clip", "n_layer", "n_head", "n_embd", "dropout", "amp", "param_dtype")  # fsdp: the global batch
+                  "grad_clip", "n_layer", "n_head", "n_embd", "dropout", "amp", "param_dtype")
 
 
 def parse_args(argv=None):
@@ -82,7 +83,7 @@ def parse_args(argv=None):
                         "and recompute its activations in backward: less memory, one more forward")
     parser.add_argument("--replicas", type=int, default=1, help="fsdp: HSDP: this many groups of processes, each "
                         "holding one whole copy in pieces; gradients averaged across the groups")
-    parser.add_argument("--checkpoint", default=None, help="snapshot folder; a run finding one resumes from it")
+    parser.add_argument("--checkpoint", default=None, help="snapshot folder; a run finding one resumes from it")  # fsdp
     parser.add_argument("--save-every-steps", type=int, default=200, help="optimizer steps between snapshots")
     parser.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON line per step here")
     parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to sample at the end")
@@ -420,7 +421,7 @@ def main(args):
     # fsdp: FSDP2 asks the reduce-scatter for a mean; older torch's gloo gave the sum (pytorch/pytorch#162338)
     mean = torch.empty(1, device=device)  # fsdp
     dist.reduce_scatter_tensor(mean, torch.ones(world_size, device=device), op=dist.ReduceOp.AVG)  # fsdp
-    dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # fsdp: and the mean HSDP's all-reduce across the copies asks for
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # fsdp: HSDP's all-reduce across the copies asks for a mean too
     if mean.item() != 1:  # fsdp
         fail(f"torch {torch.__version__}'s reduce-scatter sums where FSDP2 asks for a mean: see docs/versions.md")
     # fsdp: --param-dtype bf16: each piece is cast to bf16 before it is gathered (half the bytes), and a unit's forward
@@ -492,7 +493,8 @@ def main(args):
             inputs, targets = get_batch(train_tokens, starts, args.block_size, device)
             torch.manual_seed(args.seed * 1_000_003 + position + rank)  # port lesson: + rank: masks differ by rank
             position += args.batch_size * world_size  # step 04
-            # fsdp: as DDP's no_sync: micro-batches before the last keep whole gradients, reduced once, on the sum
+            # fsdp: as DDP's no_sync: micro-batches before the last keep whole gradients (the memory DDP needs for
+            # them, until the last one), reduced once, on the sum
             model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)  # fsdp
             with autocast(device, args.amp):
                 logits = model(inputs)
