@@ -2,6 +2,7 @@
 1-D FSDP2 on 4 processes against HSDP (2 copies x 2 pieces), predicted and counted, and what a ring sends of them.
 
     .venv/bin/python benchmarks/gpt_hsdp_bytes.py            # about 2 minutes on 2 cores
+    sudo .venv/bin/python benchmarks/gpt_hsdp_bytes.py --wire   # then on two hosts: the bytes between them
 
 Counted inside the real script under torchrun: a sitecustomize.py on PYTHONPATH wraps the three functions FSDP2
 calls from Python (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: dist.all_gather_single,
@@ -10,6 +11,10 @@ group it runs on: "shard" (a group of consecutive ranks: the pieces of one copy)
 apart: the same piece in each copy), or the script's own world group (its loss check: not FSDP2's). Each process
 writes its running totals after every call. One run of 4 steps and one of 2 per layout: their difference over 2 is
 one step's, without what comes once (validation's forward, the start).
+With --wire (root: network namespaces), each layout also runs on two hosts (the tests' own, tests/helpers.py
+separate_hosts: namespaces joined by a veth pair), 2 processes on each, one copy per host under HSDP; the bytes both
+ends of the veth pair sent (their tx_bytes counters, headers included), again (4 steps - 2 steps) / 2, are added to
+the json.
 Writes benchmarks/gpt_hsdp_bytes.json (raw) and benchmarks/gpt_hsdp_bytes.md (made from the json only).
 """
 import json
@@ -67,13 +72,50 @@ def counted(extra, steps):
         (Path(scratch) / "sitecustomize.py").write_text(COUNTER)
         env = {**os.environ, "PYTHONPATH": scratch, "BYTES_DIR": scratch, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                   str(REPO / "port/gpt_fsdp.py"), *MODEL, "--block-size", "64", "--batch-size", "4", "--steps",
-                   str(steps), "--warmup-steps", "1", "--eval-every", "1000", "--eval-windows", "4", "--log-every",
-                   "1000", "--sample-bytes", "0", *extra]
+                   str(REPO / "port/gpt_fsdp.py"), *run_flags(steps), *extra]
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         if done.returncode != 0:
             sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
         return [json.loads((Path(scratch) / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def between_hosts(extra, steps, prefix="bytes"):
+    """Bytes that crossed the veth pair (both directions) while gpt_fsdp.py ran 2 processes on each of two hosts."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import hosts_unavailable, in_host, kill_tree, on_host, separate_hosts
+
+    problem = hosts_unavailable(prefix)
+    if problem:
+        sys.exit(f"--wire: {problem}")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with separate_hosts(prefix=prefix) as hosts:
+        def sent():
+            return sum(int(on_host(name, "cat", f"/sys/class/net/veth-{name}/statistics/tx_bytes", prefix=prefix))
+                       for name in hosts)
+
+        before, agents = sent(), []
+        try:
+            for rank, name in enumerate(hosts):
+                node = [torchrun, "--nnodes=2", "--nproc_per_node=2", f"--node_rank={rank}", "--master_addr=nodeA",
+                        "--master_port=29500", "port/gpt_fsdp.py", *run_flags(steps), *extra]
+                agents.append(subprocess.Popen(in_host(name, node, prefix=prefix), cwd=REPO, env=env, text=True,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+            outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+            if any(agent.returncode for agent in agents):
+                sys.exit("\n".join(output[-2000:] for output in outputs))
+        finally:
+            for agent in agents:
+                kill_tree(agent.pid)
+        return sent() - before
+
+
+def run_flags(steps):
+    return [*MODEL, "--block-size", "64", "--batch-size", "4", "--steps", str(steps), "--warmup-steps", "1",
+            "--eval-every", "1000", "--eval-windows", "4", "--log-every", "1000", "--sample-bytes", "0"]
 
 
 def predicted(layout):
@@ -124,12 +166,28 @@ def table(raw):
               "HSDP's gathers and reduce-scatters stay within a node; only the all-reduce across the copies crosses, "
               f"each rank's {across / MB:.1f} MB: {4 * across / MB:.1f} MB per step, "
               f"{2 * flat_sent / (4 * across):.1f} times less."]
+    if "wire" in raw:
+        wire = raw["wire"]
+        lines += ["", "Measured on a wire (--wire, " + raw["wire_date"] + "): two hosts (network namespaces joined by "
+                  "a veth pair), 2 processes on each, one copy per host under HSDP; the bytes both ends sent per step, "
+                  "headers included: " + ", ".join(f"{layout} {value / MB:.1f} MB" for layout, value in wire.items())
+                  + f"; 1-D FSDP2 / HSDP {wire['1-D FSDP2, 4 pieces'] / wire['HSDP, 2 copies x 2 pieces']:.1f}."]
     return "\n".join(lines) + "\n"
 
 
 def main():
     import torch
 
+    if "--wire" in sys.argv[1:]:  # adds the wire figures to the counted ones
+        raw = json.loads((HERE / "gpt_hsdp_bytes.json").read_text())
+        raw["wire_date"], raw["wire"] = time.strftime("%Y-%m-%d"), {}
+        for layout, extra in LAYOUTS.items():
+            raw["wire"][layout] = (between_hosts(extra, 4) - between_hosts(extra, 2)) / 2
+            print(layout, raw["wire"][layout] / MB, "MB per step between the hosts", flush=True)
+        (HERE / "gpt_hsdp_bytes.json").write_text(json.dumps(raw, indent=1) + "\n")
+        (HERE / "gpt_hsdp_bytes.md").write_text(table(raw))
+        print(table(raw))
+        return
     raw = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "layouts": {}}
     for layout, extra in LAYOUTS.items():
         four, two = counted(extra, 4), counted(extra, 2)
