@@ -2,10 +2,11 @@
 
 `diff port/gpt_ddp.py port/gpt_fsdp.py` is the whole change; each statement or block it adds says "fsdp:" and why.
 The model is built on the meta device and sharded per transformer block; the tied embedding stays one parameter;
-gradients are clipped over their pieces and the whole model's norm is logged; --param-dtype bf16 computes in bf16
-and reduces in fp32 (MixedPrecisionPolicy); --activation-checkpointing recomputes each block in backward; --replicas
-R shards within groups and replicates across them (HSDP); snapshots are DCP folders that resume on another number
-of processes, and the end exports one plain file that gpt_single.py resumes from and samples with on one device.
+gradients are clipped over their pieces and the whole model's norm is logged; the loss is one mean over all the
+step's targets (--pad-up-to makes the ranks' counts differ); --param-dtype bf16 computes in bf16 and reduces in fp32
+(MixedPrecisionPolicy); --activation-checkpointing recomputes each block in backward; --replicas R shards within
+groups and replicates across them (HSDP); snapshots are DCP folders that resume on another number of processes, and
+the end exports one plain file that gpt_single.py loads and samples from on one device.
 
   torchrun --standalone --nproc_per_node=2 port/gpt_fsdp.py                        # 2 processes (or GPUs)
   torchrun --standalone --nproc_per_node=4 port/gpt_fsdp.py --replicas 2           # HSDP: 2 copies, 2 pieces each
@@ -48,7 +49,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ddp_ste
 # what a snapshot must agree on with the command that resumes it: any of these changes what the run computes
 # fsdp: not batch_size: another number of processes may resume, if the global batch stays (load_checkpoint)
 SAME_ON_RESUME = ("data", "seed", "steps", "block_size", "grad_accum", "lr", "warmup_steps", "weight_decay",
-                  "grad_clip", "n_layer", "n_head", "n_embd", "dropout", "amp", "param_dtype")
+                  "grad_clip", "n_layer", "n_head", "n_embd", "dropout", "amp", "param_dtype", "pad_up_to")
 
 
 def parse_args(argv=None):
@@ -81,6 +82,9 @@ def parse_args(argv=None):
                         "in fp32")
     parser.add_argument("--activation-checkpointing", action="store_true", help="fsdp: keep each block's input only, "
                         "and recompute its activations in backward: less memory, one more forward")
+    parser.add_argument("--pad-up-to", type=int, default=0, help="fsdp: the last 0 to N targets of each window are "
+                        "padding, ignored by the loss (as documents shorter than the window, padded): the ranks then "
+                        "hold different numbers of targets")
     parser.add_argument("--replicas", type=int, default=1, help="fsdp: HSDP: this many groups of processes, each "
                         "holding one whole copy in pieces; gradients averaged across the groups")
     parser.add_argument("--checkpoint", default=None, help="snapshot folder; a run finding one resumes from it")  # fsdp
@@ -103,6 +107,8 @@ def parse_args(argv=None):
     if not (0 <= args.weight_decay < float("inf") and 0 <= args.dropout < 1):
         parser.error(f"--weight-decay must be 0 or more, --dropout in [0, 1); got {args.weight_decay}, "
                      f"{args.dropout}")
+    if not 0 <= args.pad_up_to < args.block_size:  # fsdp: every window keeps at least one target
+        parser.error(f"--pad-up-to must be 0 or more and less than --block-size {args.block_size}")
     if int(os.environ.get("WORLD_SIZE", 1)) % args.replicas:  # fsdp: torchrun's number of processes
         parser.error(f"--replicas {args.replicas} must divide the {os.environ.get('WORLD_SIZE', 1)} processes")
     if args.n_embd % args.n_head:
@@ -154,6 +160,12 @@ def window_starts(position, count, num_windows, seed):
         epoch, index = divmod(position + len(starts), num_windows)
         starts += epoch_order(num_windows, seed, epoch)[index:index + count - len(starts)].tolist()
     return starts
+
+
+def padding(position, count, args):
+    """fsdp: how many last targets of stream windows position.. are padding: from (seed, position), known to all."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + position + 1)
+    return torch.randint(0, args.pad_up_to + 1, (count,), generator=generator)
 
 
 def get_batch(tokens, starts, block_size, device):
@@ -486,11 +498,19 @@ def main(args):
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
         step_loss = torch.zeros((), device=device)
+        # fsdp: the step's loss is one mean over all its targets, on every rank and micro-batch (with --pad-up-to, the
+        # ranks hold different numbers of them): every rank counts them all from the stream, with no message
+        pads = [padding(position + k * args.batch_size * world_size, args.batch_size * world_size, args)
+                for k in range(args.grad_accum)]  # fsdp
+        targets_in_step = sum(args.block_size * len(pad) - pad.sum().item() for pad in pads)  # fsdp
         for micro_step in range(args.grad_accum):  # step 01: no_sync needs to know the last one
             # step 04's data order: one shuffled stream, counted in windows of all ranks (so a resume continues it);
             # each rank takes every world_size-th of the next batch_size * world_size: together, the single batch
             starts = window_starts(position, args.batch_size * world_size, num_windows, args.seed)[rank::world_size]
             inputs, targets = get_batch(train_tokens, starts, args.block_size, device)
+            pad = pads[micro_step][rank::world_size].to(device)  # fsdp: this rank's windows' padding, ignored (-100)
+            kept = torch.arange(args.block_size, device=device) < args.block_size - pad[:, None]  # fsdp
+            targets = targets.masked_fill(~kept, -100)  # fsdp
             torch.manual_seed(args.seed * 1_000_003 + position + rank)  # port lesson: + rank: masks differ by rank
             position += args.batch_size * world_size  # step 04
             # fsdp: as DDP's no_sync: micro-batches before the last keep whole gradients (the memory DDP needs for
@@ -498,9 +518,13 @@ def main(args):
             model.set_requires_gradient_sync(micro_step == args.grad_accum - 1)  # fsdp
             with autocast(device, args.amp):
                 logits = model(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            scaler.scale(loss / args.grad_accum).backward()  # each micro-batch adds its share of the gradient
-            step_loss += loss.detach() / args.grad_accum
+            # fsdp: this rank's sum over its targets, over the step's count of all targets, times world_size (FSDP2
+            # averages the gradients over the ranks): the step's gradient is that of the one mean. A mean of each
+            # rank's mean would weigh a target more on a rank that holds fewer
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                   reduction="sum") * world_size / targets_in_step  # fsdp
+            scaler.scale(loss).backward()  # each micro-batch adds its share of the gradient
+            step_loss += loss.detach()  # fsdp
         if os.environ.get("NAN_LOSS_AT") == f"{rank}:{step + 1}":  # port lesson: the tests make one rank's loss NaN
             step_loss += float("nan")
         # stop at the first non-finite loss, before it reaches the weights or a snapshot

@@ -82,6 +82,10 @@ def runs(text, tmp_path_factory):
             return [torchrun(2, PORTED, *common, *PORTED_BATCH)], metrics, checkpoint
         if name == "fsdp":  # gpt_fsdp.py (a snapshot folder, and at the end the exported checkpoint.single.pt)
             return [torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, checkpoint
+        if name.startswith("padded"):  # the last 0-8 targets of each window ignored: 2 processes, or 1 with the whole
+            batch = PORTED_BATCH if name == "padded" else ["--batch-size", BATCH // 2, "--grad-accum", 2]  # batch
+            return [torchrun(2 if name == "padded" else 1, SHARDED, *common, *batch, "--pad-up-to", 8)], metrics, \
+                checkpoint
         if name == "hsdp":  # 4 processes, 2 copies of 2 pieces, a quarter of the batch each; resumed by 1-D FSDP2 on 2
             stopped = torchrun(4, SHARDED, *common, "--replicas", 2, "--batch-size", 1, "--grad-accum", 2)
             return [[*stopped, "--stop-after-steps", "3"], torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, \
@@ -366,6 +370,48 @@ def test_a_stopped_sharded_run_resumes_bitwise_and_hsdp_equals_fsdp_and_resumes_
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=RTOL), (a["step"], key)
     assert float(rank_lines(output)[0][0]) == pytest.approx(float(rank_lines(uninterrupted[0])[0][0]), rel=RTOL)
+
+
+@pytest.mark.launch
+def test_a_loss_over_the_steps_count_of_targets_gives_two_ranks_with_different_counts_one_processs_gradient(runs):
+    """--pad-up-to 8: each window's last 0-8 targets are padding, so the two ranks hold different numbers of targets.
+    gpt_fsdp.py divides each rank's sum by the step's count of all targets (times the ranks, as FSDP2 averages): on 2
+    processes it computes, step by step, what 1 process computes with the whole batch (to float rounding, RTOL)."""
+    two, one = runs("padded"), runs("padded-one")
+    for a, b in zip(one[1], two[1], strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=RTOL), (a["step"], key)
+    assert float(rank_lines(two[0])[0][0]) == pytest.approx(float(rank_lines(one[0])[0][0]), rel=RTOL)
+
+
+def test_a_mean_of_each_ranks_mean_is_not_the_one_process_gradient_when_the_counts_differ():
+    """The same arithmetic in one process, the ranks' gradients averaged as DDP and FSDP2 average them: each rank's
+    sum over the count of all targets gives the gradient of one mean over the whole batch; each rank's own mean
+    (F.cross_entropy's default) gives another, weighing a target more on the rank that holds fewer."""
+    import torch.nn.functional as F
+
+    sharded = load_script(SHARDED)
+    args = sharded.parse_args(["--block-size", "16", "--pad-up-to", "12", "--seed", "3"])
+    torch.manual_seed(0)
+    model, tokens = sharded.GPT(16, 1, 2, 32, 0.0), torch.randint(0, 256, (8, 17))
+    inputs, kept = tokens[:, :-1], torch.arange(16) < 16 - sharded.padding(0, 8, args)[:, None]
+    targets = tokens[:, 1:].masked_fill(~kept, -100)
+    ranks = [slice(0, None, 2), slice(1, None, 2)]
+    assert kept[ranks[0]].sum() != kept[ranks[1]].sum(), "the two ranks hold different numbers of targets"
+
+    def gradient(rows, reduction, scale=1.0):
+        model.zero_grad()
+        loss = F.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten(), ignore_index=-100,
+                               reduction=reduction)
+        (loss * scale).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    one_process = gradient(slice(None), "mean")
+    by_count = sum(gradient(rows, "sum", 2 / kept.sum()) for rows in ranks) / 2
+    by_means = sum(gradient(rows, "mean") for rows in ranks) / 2
+    assert torch.allclose(by_count, one_process, rtol=1e-5, atol=1e-8)
+    assert not torch.allclose(by_means, one_process, rtol=1e-2, atol=1e-4)
 
 
 # --- what the single-device script promises ------------------------------------------------------------------

@@ -42,14 +42,15 @@ PAIRS = {
     # 141: leaving without Python's shutdown (gloo's threads outlive the group: a SIGABRT at exit) costs 4 lines;
     # a shorter comment and docstring gave 3 back
     ("port/gpt_single.py", "port/gpt_ddp.py"): ("port_gpt.diff", 141),
-    # 175: the port sharded (FSDP2), each added statement saying "fsdp:": the meta-device build, one unit per block and
+    # 202: the port sharded (FSDP2), each added statement saying "fsdp:": the meta-device build, one unit per block and
     # the tied root, rank 0's weights sent to all; MixedPrecisionPolicy, activation checkpointing, HSDP's mesh and their
     # flags; clipping with the whole model's norm; as many forwards on every rank; DCP snapshots and their resume on
     # another world size; the plain file gpt_single.py resumes from; the imports (the state-dict ones wrapped by ruff);
     # the mesh in the first log line; after an expert read, the all-reduce's mean checked too, PATH.prev named in the
     # refusal and the resume line, the export's line saying which flags gpt_single.py takes; after a newcomer's read,
-    # why batch_size is not in SAME_ON_RESUME, and the memory gradient accumulation holds
-    ("port/gpt_ddp.py", "port/gpt_fsdp.py"): ("port_gpt_fsdp.diff", 175),
+    # why batch_size is not in SAME_ON_RESUME, and the memory gradient accumulation holds; 202: the loss as one mean
+    # over the step's targets on every rank, with --pad-up-to making the ranks' counts differ (27, its docstring line)
+    ("port/gpt_ddp.py", "port/gpt_fsdp.py"): ("port_gpt_fsdp.diff", 202),
 }
 
 
