@@ -131,8 +131,8 @@ def table(raw):
              "Tokens/s: rank 0's median over the steps after the first, as a ratio to DDP's at the same N in the "
              "same repeat. Loss: the last step's training loss (the batch per process is fixed: at N=4 the global "
              "batch is twice N=2's, and so the loss differs). A window of 64 bytes is 64 tokens (the port's tokens "
-             "are bytes). The prediction is the same for bf16 as for fp32: it leaves out what bf16 halves (the "
-             "gathered weights, the activations).\n",
+             "are bytes). The prediction counts everything at fp32: under --param-dtype bf16 its three gathered "
+             "units would take 2 bytes a parameter, and it does not model that.\n",
              "| configuration | N | predicted: held between steps | predicted: peak less activations and buffers | "
              "measured peak | tokens/s / DDP's | last loss |", "|---|---|---|---|---|---|---|"]
     for name, (_, _, counts) in CONFIGS.items():
