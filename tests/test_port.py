@@ -345,7 +345,8 @@ def test_the_tied_matrix_stays_one_and_gpt_single_resumes_the_exported_file_and_
                     timeout=120).stdout
     assert "step 6 of 6" in single
     sample = re.compile(r"sample:\n(.*?)\n(?:rank \d )?done", re.S)
-    assert sample.search(single).group(1) == sample.search(output).group(1)
+    text = sample.search(output).group(1)
+    assert len(text) >= 10 and sample.search(single).group(1) == text
     assert re.search(r"checksum ([-+.\deE]+)", single).group(1) == rank_lines(output)[0][0]
 
 
