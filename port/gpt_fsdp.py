@@ -4,9 +4,10 @@
 The model is built on the meta device and sharded per transformer block; the tied embedding stays one parameter;
 gradients are clipped over their pieces and the whole model's norm is logged; the loss is one mean over all the
 step's targets (--pad-up-to makes the ranks' counts differ); --param-dtype bf16 computes in bf16 and reduces in fp32
-(MixedPrecisionPolicy); --activation-checkpointing recomputes each block in backward; --replicas R shards within
-groups and replicates across them (HSDP); snapshots are DCP folders that resume on another number of processes, and
-the end exports one plain file that gpt_single.py loads and samples from on one device.
+(MixedPrecisionPolicy); --activation-checkpointing recomputes each block in backward; --compile compiles each block
+before it is sharded; --replicas R shards within groups and replicates across them (HSDP); snapshots are DCP folders
+that resume on another number of processes, and the end exports one plain file that gpt_single.py loads and samples
+from on one device.
 
   torchrun --standalone --nproc_per_node=2 port/gpt_fsdp.py                        # 2 processes (or GPUs)
   torchrun --standalone --nproc_per_node=4 port/gpt_fsdp.py --replicas 2           # HSDP: 2 copies, 2 pieces each
@@ -82,6 +83,9 @@ def parse_args(argv=None):
                         "in fp32")
     parser.add_argument("--activation-checkpointing", action="store_true", help="fsdp: keep each block's input only, "
                         "and recompute its activations in backward: less memory, one more forward")
+    parser.add_argument("--compile", nargs="?", const="inductor", choices=["inductor", "aot_eager"], help="fsdp: "
+                        "torch.compile each block before it is sharded: inductor (generates kernels; on a CPU with a "
+                        "C++ compiler) or aot_eager (captures forward and backward, runs them eagerly: a quick check)")
     parser.add_argument("--pad-up-to", type=int, default=0, help="fsdp: the last 0 to N targets of each window are "
                         "padding, ignored by the loss (as documents shorter than the window, padded): the ranks then "
                         "hold different numbers of targets")
@@ -441,6 +445,8 @@ def main(args):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.param_dtype else \
         MixedPrecisionPolicy()  # fsdp
     for block in model.blocks:  # fsdp: one unit per transformer block, gathered just before it runs, freed after
+        if args.compile:  # fsdp: in place (torch.compile(block) returns a wrapper: "_orig_mod." in the names);
+            block.compile(backend=args.compile, fullgraph=True)  # fsdp: before fully_shard; FSDP2's hooks stay eager
         fully_shard(block, mesh=mesh, mp_policy=policy)  # fsdp
     # fsdp: the root last: the embeddings, the final norm and the head. The tied matrix is in this one unit, so it
     # stays one parameter (sharding the head as a unit of its own would make it a second one: torch refuses that)
@@ -494,7 +500,8 @@ def main(args):
     log(f"GPT of {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters on {device}: "
         f"{len(train_tokens)} training / {len(val_tokens)} validation bytes, {global_batch} windows of "
         f"{args.block_size} bytes per optimizer step, warm-up {args.warmup_steps} steps; {world_size} processes, "
-        f"{args.replicas} whole copies in {world_size // args.replicas} pieces each")  # fsdp
+        f"{args.replicas} whole copies in {world_size // args.replicas} pieces each"
+        + (f"; each block compiled ({args.compile})" if args.compile else ""))  # fsdp
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
         step_loss = torch.zeros((), device=device)

@@ -91,8 +91,9 @@ def runs(text, tmp_path_factory):
             return [[*stopped, "--stop-after-steps", "3"], torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, \
                 checkpoint
         interrupted = torchrun(2, PORTED, *common, *PORTED_BATCH)  # "resumed": stopped, then again
-        if name == "fsdp-resumed":  # and each block's activations recomputed in backward
-            interrupted = torchrun(2, SHARDED, *common, *PORTED_BATCH, "--activation-checkpointing")
+        if name == "fsdp-resumed":  # and each block's activations recomputed in backward, each block compiled
+            interrupted = torchrun(2, SHARDED, *common, *PORTED_BATCH, "--activation-checkpointing", "--compile",
+                                   "aot_eager")
         return [[*interrupted, "--stop-after-steps", "3"], interrupted], metrics, checkpoint
 
     def get(name):
@@ -354,11 +355,14 @@ def test_the_tied_matrix_stays_one_and_gpt_single_resumes_the_exported_file_and_
 def test_a_stopped_sharded_run_resumes_bitwise_and_hsdp_equals_fsdp_and_resumes_on_another_mesh(runs):
     """Stopped after step 3 and resumed on the same 2 processes: the same bits as the run never stopped (each rank
     reads its own pieces back), with --activation-checkpointing on (recomputing a block's forward in backward gives
-    the same numbers as keeping them). HSDP on 4 processes (2 copies x 2 pieces, a quarter of the batch each): the 1-D
-    run's losses and norms to float rounding (RTOL: another order of additions); its snapshot, resumed by 1-D FSDP2
-    on 2 processes with the same global batch, ends where the 1-D run ends (RTOL)."""
+    the same numbers as keeping them) and --compile aot_eager (each block captured by torch.compile, forward and
+    backward, before fully_shard, and run by its eager kernels: the same operations, the same bits). HSDP on 4
+    processes (2 copies x 2 pieces, a quarter of the batch each): the 1-D run's losses and norms to float rounding
+    (RTOL: another order of additions); its snapshot, resumed by 1-D FSDP2 on 2 processes with the same global
+    batch, ends where the 1-D run ends (RTOL)."""
     uninterrupted, resumed = runs("fsdp"), runs("fsdp-resumed")
     assert "stopped after step 3" in resumed[0] and "step 3 of 6" in resumed[0]
+    assert resumed[0].count("each block compiled (aot_eager)") == 2
     one, two = (torch.load(f"{run[2]}.single.pt", weights_only=True) for run in (uninterrupted, resumed))
     for name, value in one["model"].items():
         assert torch.equal(two["model"][name], value), name

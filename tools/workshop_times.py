@@ -4,6 +4,7 @@ counted in words. Writes docs/workshop_times.json, from which docs/workshop.md's
 tests/test_notebooks.py). About 8 minutes on 2 cores.
 
     .venv/bin/python tools/workshop_times.py            # all lectures, in reading order
+    .venv/bin/python tools/workshop_times.py NAME ...   # only these (a new or changed lecture), the others kept
     .venv/bin/python tools/workshop_times.py --table    # print the table from the committed figures, no runs
 """
 import json
@@ -100,12 +101,23 @@ def main(args):
         figures = json.loads(FIGURES.read_text())
         print(table(figures) + "\n\n" + plans(figures))
         return 0
-    figures = {"measured": time.strftime("%Y-%m-%d", time.gmtime()), "python": platform.python_version(),
-               "torch": notebooks.torch_version(), "cores": len(os.sched_getaffinity(0)),
-               "lectures": {}}
-    for name in notebooks.names():
-        figures["lectures"][name] = measure(name)
-        print(f"{name}: {figures['lectures'][name]}", flush=True)
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    if args:  # these lectures measured now (each says when), the others' figures kept as they were
+        figures = json.loads(FIGURES.read_text())
+        unknown = set(args) - set(notebooks.names())
+        if unknown:
+            sys.exit(f"no lecture named {', '.join(sorted(unknown))}")
+        lectures = {name: figures["lectures"].get(name) for name in notebooks.names()}
+        for name in args:
+            lectures[name] = {**measure(name), "measured": today}
+            print(f"{name}: {lectures[name]}", flush=True)
+        figures["lectures"] = lectures
+    else:
+        figures = {"measured": today, "python": platform.python_version(), "torch": notebooks.torch_version(),
+                   "cores": len(os.sched_getaffinity(0)), "lectures": {}}
+        for name in notebooks.names():
+            figures["lectures"][name] = measure(name)
+            print(f"{name}: {figures['lectures'][name]}", flush=True)
     FIGURES.write_text(json.dumps(figures, indent=1) + "\n")
     print(table(figures) + "\n\n" + plans(figures))
     return 0

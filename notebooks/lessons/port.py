@@ -69,12 +69,12 @@ def different_texts(rank, world_size):
     return status, said.getvalue().strip()
 
 
-def train(rank, world_size, argv):
-    """gpt_ddp.py's main in a process of runs.Processes, with the variables torchrun would set: a run without
-    torchrun's start-up (seconds of imports per process), for the lesson's repeated measurements."""
+def train(rank, world_size, argv, script=PORTED):
+    """gpt_ddp.py's main (or another port script's) in a process of runs.Processes, with the variables torchrun
+    would set: a run without torchrun's start-up (seconds of imports per process), for the lessons' repeated runs."""
     import os
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
                       LOCAL_WORLD_SIZE=str(world_size))
-    ported = load_script(PORTED)
+    ported = load_script(script)
     ported.main(ported.parse_args([str(part) for part in argv]))
