@@ -1,6 +1,7 @@
 """Memory per rank of the GPT port under DDP (port/gpt_ddp.py) and FSDP2 (port/gpt_fsdp.py): plain, with activation
-checkpointing, with the bf16 mixed-precision policy, with bf16 autocast instead, and HSDP, at 2 and 4 processes,
-each beside the training state it must hold; with tokens/s against DDP's and the loss each ends with.
+checkpointing, with the bf16 mixed-precision policy, with bf16 autocast instead, and HSDP, at 1, 2 and 4 processes,
+each beside the training state it must hold; with tokens/s against DDP's and the loss each ends with; and the peak
+while the model is built: gpt_ddp.py's whole model on every rank (eager) against gpt_fsdp.py's meta-device build.
 
     .venv/bin/python benchmarks/gpt_fsdp_memory.py                      # about 15 minutes on 2 cores
     .venv/bin/python benchmarks/gpt_fsdp_memory.py --n-layer 2 --repeats 1   # a quick check
@@ -12,6 +13,10 @@ the process ends). What the processes hold without the model (torch, the group, 
 measured the same way on a GPT of one block of width 16, and subtracted. glibc's mmap threshold is fixed
 (MALLOC_MMAP_THRESHOLD_=131072), so that freed tensors go back to the system. On this CPU host and device memory
 are one. Runs are interleaved (each repeat runs every configuration once, the order alternating).
+The build is measured inside each worker by a sitecustomize.py on PYTHONPATH (BUILD_HOOK): at the script's first
+torch.manual_seed (the line before the model is built) it reads the resident set and resets the peak (Linux:
+/proc/self/clear_refs), and when AdamW is made (the model built, materialised, wrapped or sharded, its weights
+set) it reads the peak: the build's peak over what the process held before it.
 Writes benchmarks/gpt_fsdp_memory.json (raw) and benchmarks/gpt_fsdp_memory.md (made from the json only).
 """
 import argparse
@@ -31,14 +36,43 @@ import _verdict  # noqa: E402
 
 # name: (script, its extra flags, process counts): what each configuration runs
 CONFIGS = {
-    "DDP": ("port/gpt_ddp.py", [], (2, 4)),
-    "FSDP2": ("port/gpt_fsdp.py", [], (2, 4)),
-    "FSDP2, activation checkpointing": ("port/gpt_fsdp.py", ["--activation-checkpointing"], (2, 4)),
+    "DDP": ("port/gpt_ddp.py", [], (1, 2, 4)),
+    "FSDP2": ("port/gpt_fsdp.py", [], (1, 2, 4)),
+    "FSDP2, activation checkpointing": ("port/gpt_fsdp.py", ["--activation-checkpointing"], (1, 2, 4)),
     "FSDP2, --param-dtype bf16": ("port/gpt_fsdp.py", ["--param-dtype", "bf16"], (2,)),
     "FSDP2, --amp (bf16 autocast)": ("port/gpt_fsdp.py", ["--amp"], (2,)),
     "HSDP, 2 copies": ("port/gpt_fsdp.py", ["--replicas", "2"], (4,)),
 }
 BASELINE = ["--n-layer", "1", "--n-embd", "16", "--n-head", "1"]
+# Each worker's build, measured from inside (the module docstring): written to $BUILD_PEAK_DIR/RANK.json
+BUILD_HOOK = """
+import json, os
+if os.environ.get("BUILD_PEAK_DIR") and "RANK" in os.environ:
+    import torch
+
+    def _memory():
+        status = open("/proc/self/status").read()
+        return {key: int(status.split(key + ":")[1].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
+
+    _seed, _adamw, _before = torch.manual_seed, torch.optim.AdamW.__init__, {}
+
+    def manual_seed(*args, **kwargs):
+        if not _before:
+            _before.update(_memory())
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak (VmHWM) reset to the present resident set
+        return _seed(*args, **kwargs)
+
+    def adamw(self, *args, **kwargs):
+        if _before and "peak" not in _before:
+            now = _memory()
+            _before.update(peak=now["VmHWM"], after=now["VmRSS"])
+            with open(os.path.join(os.environ["BUILD_PEAK_DIR"], os.environ["RANK"] + ".json"), "w") as f:
+                json.dump({"before": _before["VmRSS"], "peak": _before["peak"], "after": _before["after"]}, f)
+        return _adamw(self, *args, **kwargs)
+
+    torch.manual_seed, torch.optim.AdamW.__init__ = manual_seed, adamw
+"""
 
 
 def flags(args):
@@ -59,15 +93,18 @@ def peak(pid):
 
 
 def run_once(script, extra, nproc, args, baseline=False):
-    """One torchrun launch: each worker's peak RSS (bytes), rank 0's metrics (one dict per step)."""
+    """One torchrun launch: each worker's peak RSS (bytes), rank 0's metrics (one dict per step), and each rank's
+    build (bytes: resident before it, peak during it, resident after it), in rank order."""
     import psutil
 
     with tempfile.TemporaryDirectory() as scratch:
         metrics = Path(scratch) / "metrics.jsonl"
+        (Path(scratch) / "sitecustomize.py").write_text(BUILD_HOOK)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(REPO / script), *flags(args), *(BASELINE if baseline else model(args)), *extra,
                    "--metrics", str(metrics)]
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1", "BUILD_PEAK_DIR": scratch,
+               "PYTHONPATH": os.pathsep.join(filter(None, [scratch, os.environ.get("PYTHONPATH")]))}
         with open(Path(scratch) / "log.txt", "w+") as log:  # a file, not a pipe: a full pipe would stall the run
             agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
             peaks, deadline = {}, time.monotonic() + 600
@@ -86,7 +123,8 @@ def run_once(script, extra, nproc, args, baseline=False):
             output = log.read()
         if agent.returncode != 0:
             sys.exit(f"{' '.join(command)} failed:\n{output[-3000:]}")
-        return sorted(peaks.values()), [json.loads(line) for line in metrics.read_text().splitlines()]
+        builds = [json.loads((Path(scratch) / f"{rank}.json").read_text()) for rank in range(nproc)]
+        return sorted(peaks.values()), [json.loads(line) for line in metrics.read_text().splitlines()], builds
 
 
 def parameters(args):
@@ -109,6 +147,17 @@ def predicted_state(name, nproc, args):
         return 16 * total, 20 * total
     shards = nproc // 2 if name.startswith("HSDP") else nproc
     return 12 * total / shards, 16 * total / shards + 3 * 4 * largest
+
+
+def predicted_build(name, nproc, rank, args):
+    """Bytes a rank's build adds at its peak. Eager (gpt_ddp.py): the whole model in fp32 on every rank, 4 B a
+    parameter, and DDP's gradient buckets, allocated when it wraps the model, 4 B more. Meta (gpt_fsdp.py): each
+    rank's pieces (4 B a parameter / N), one whole tensor at a time as rank 0's weights arrive (the largest, an MLP
+    matrix of 4 x width^2), and on rank 0 also its one whole build (4 B a parameter)."""
+    total, _ = parameters(args)
+    if name == "DDP":
+        return 8 * total
+    return 4 * total / nproc + 4 * 4 * args.n_embd ** 2 + (4 * total if rank == 0 else 0)
 
 
 def spread(values, digits=1):
@@ -158,6 +207,32 @@ def table(raw):
             lines.append(f"- {name}, N={nproc}: its peak minus fp32 FSDP2's, repeat by repeat, {spread(change)} MB: "
                          f"{_verdict.verdict(min(change), max(change), 0, **words)}; its last loss "
                          f"{spread(drift, 4)} from fp32 FSDP2's.")
+    lines.append("")
+    lines += ["## While the model is built\n",
+              f"Each rank's peak while the script builds the model (from its first torch.manual_seed to its AdamW: "
+              f"built, materialised, wrapped or sharded, weights set) over what it held just before, less the same "
+              f"on the one-block GPT of width 16 (what building costs without the model: DDP's constructor imports "
+              f"torch._dynamo, for one), beside the prediction (benchmarks/gpt_fsdp_memory.py, predicted_build); the "
+              f"whole model's fp32 weights are {4 * total / MB:.1f} MB. DDP is gpt_ddp.py, built whole on every "
+              "rank; FSDP2 is gpt_fsdp.py, built on the meta device, rank 0 building the whole model once to send "
+              "it. Other ranks: the largest of ranks 1 and up. Median (min-max) of the repeats.\n",
+              "| configuration | N | rank | predicted | measured: the build's peak over before, less the one-block "
+              "model's |",
+              "|---|---|---|---|---|"]
+
+    def built(run, rank):  # bytes: the build's peak over before, on rank 0 or the largest of the others
+        return max(b["peak"] - b["before"] for b in (run["builds"][:1] if rank == 0 else run["builds"][1:]))
+
+    for name in ("DDP", "FSDP2"):
+        for nproc in CONFIGS[name][2]:
+            for rank, label in ((0, "0"), (1, "others")):
+                if rank >= nproc:
+                    continue
+                base = statistics.median(built(r, rank) for r in raw["runs"] if r["nproc"] == nproc
+                                         and r["config"] == f"baseline {CONFIGS[name][0]}")
+                measured = [(built(r, rank) - base) / MB for r in select(raw, name, nproc)]
+                lines.append(f"| {name} | {nproc} | {label} | {predicted_build(name, nproc, rank, args) / MB:.1f} | "
+                             f"{spread(measured)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -185,14 +260,15 @@ def main():
            "repeats": args.repeats, "runs": []}
     plan = [(name, script, extra, nproc) for name, (script, extra, counts) in CONFIGS.items() for nproc in counts]
     plan += [(f"baseline {script}", script, [], nproc) for script in ("port/gpt_ddp.py", "port/gpt_fsdp.py")
-             for nproc in (2, 4)]
+             for nproc in (1, 2, 4)]
     for repeat in range(args.repeats):
         for name, script, extra, nproc in plan if repeat % 2 == 0 else reversed(plan):
             began = time.monotonic()
-            peaks, metrics = run_once(script, extra, nproc, args, baseline=name.startswith("baseline"))
+            peaks, metrics, builds = run_once(script, extra, nproc, args, baseline=name.startswith("baseline"))
             rates = [m["tokens_per_s"] for m in metrics[1:]] or [metrics[0]["tokens_per_s"]]
             raw["runs"].append({"config": name, "nproc": nproc, "repeat": repeat, "peak": max(peaks),
-                                "peaks": peaks, "tokens_per_s": statistics.median(rates), "loss": metrics[-1]["loss"]})
+                                "peaks": peaks, "tokens_per_s": statistics.median(rates), "loss": metrics[-1]["loss"],
+                                "builds": builds})
             print(f"repeat {repeat} {name} N={nproc}: peak {max(peaks) / MB:.1f} MB, "
                   f"{time.monotonic() - began:.0f} s", flush=True)
     (HERE / "gpt_fsdp_memory.json").write_text(json.dumps(raw, indent=1) + "\n")

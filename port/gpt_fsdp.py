@@ -546,8 +546,8 @@ def main(args):
         scaler.unscale_(optimizer)  # the true gradients (divided by the scale) before their norm meets --grad-clip
         # the gradient's norm over all parameters, then every gradient scaled down if it is above --grad-clip
         # fsdp: each rank holds pieces of the averaged gradient; clip_grad_norm_ sums their squares across the ranks
-        # and every rank scales its pieces alike. It returns a DTensor: replicated in torch 2.15, partial (each rank's
-        # share) in 2.9.1; full_tensor() gives the whole model's norm in both, which is what is logged
+        # and every rank scales its pieces alike. It returns a DTensor: replicated in torch 2.15, partial in 2.9.1 (each
+        # rank its own pieces' norm); full_tensor() gives the whole model's norm in both, which is what is logged
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))  # fsdp
         grad_norm = grad_norm.full_tensor().item()  # fsdp
         if not math.isfinite(grad_norm) and not scaler.is_enabled():  # fp16: an overflow; the scaler skips the step

@@ -356,7 +356,7 @@ def test_a_stopped_sharded_run_resumes_bitwise_and_hsdp_equals_fsdp_and_resumes_
     """Stopped after step 3 and resumed on the same 2 processes: the same bits as the run never stopped (each rank
     reads its own pieces back), with --activation-checkpointing on (recomputing a block's forward in backward gives
     the same numbers as keeping them) and --compile aot_eager (each block captured by torch.compile, forward and
-    backward, before fully_shard, and run by its eager kernels: the same operations, the same bits). HSDP on 4
+    backward, before fully_shard, and run on the eager kernels: observed to give the same bits). HSDP on 4
     processes (2 copies x 2 pieces, a quarter of the batch each): the 1-D run's losses and norms to float rounding
     (RTOL: another order of additions); its snapshot, resumed by 1-D FSDP2 on 2 processes with the same global
     batch, ends where the 1-D run ends (RTOL)."""

@@ -102,6 +102,8 @@ def test_the_sharded_ports_memory_report_is_what_its_raw_figures_give_and_the_do
     assert (REPO / "benchmarks/gpt_fsdp_memory.md").read_text() == report
     table = report[report.index("| configuration"):report.index("\n\n- ")]
     assert table in (REPO / "docs/fsdp.md").read_text(), "docs/fsdp.md: paste benchmarks/gpt_fsdp_memory.md's table"
+    build = report[report.index("| configuration | N | rank"):].rstrip("\n")
+    assert build in (REPO / "docs/fsdp.md").read_text(), "docs/fsdp.md: paste the report's build table"
 
 
 def test_the_hsdp_bytes_report_is_what_its_raw_figures_give_and_each_count_is_its_prediction():

@@ -143,7 +143,8 @@ def norms(rank, world_size):
 
 def reduce_dtypes(rank, world_size):
     """The same step's gradient under three MixedPrecisionPolicy settings, against fp32 throughout: the relative
-    error of the whole gradient, and the dtype the gradient pieces are kept in."""
+    error of the whole gradient, and the dtype the gradient pieces are kept in; and what the bf16 reduction alone
+    changes: bf16 reduce against fp32 reduce, both computing in bf16 (relative to the fp32 gradient's norm)."""
     mesh = init_device_mesh("cpu", (world_size,))
     policies = {"fp32 (no policy)": MixedPrecisionPolicy(),
                 "bf16 compute, fp32 reduce (--param-dtype bf16)": MixedPrecisionPolicy(
@@ -158,7 +159,11 @@ def reduce_dtypes(rank, world_size):
         gradients[name] = whole_gradient(model)
         dtypes[name] = str(next(model.parameters()).grad.dtype)
     reference = gradients["fp32 (no policy)"]
-    return {name: (relative(gradient, reference), dtypes[name]) for name, gradient in gradients.items()}
+    result = {name: (relative(gradient, reference), dtypes[name]) for name, gradient in gradients.items()}
+    compute_only = gradients["bf16 compute, fp32 reduce (--param-dtype bf16)"]
+    result["bf16 reduce against fp32 reduce, both bf16 compute"] = (
+        (gradients["bf16 compute, bf16 reduce"] - compute_only).norm().item() / reference.norm().item(), None)
+    return result
 
 
 def compiled_blocks(rank, world_size):
