@@ -98,22 +98,11 @@ def pytest_collection_modifyitems(items):
         marked = [seconds for name, seconds in SECONDS.items() if item.get_closest_marker(name)]
         cost[unit_of(item.nodeid)] += max(marked, default=0)
     items.sort(key=lambda item: (item.get_closest_marker("quick") is not None, -cost[unit_of(item.nodeid)]))
-    # Two notebooks mostly wait (hangs and timeouts shown on purpose: a few CPU-seconds in half a minute). Dealt first
-    # and third, both go to the first process, one after the other, while the second computes (xdist gives each
-    # process two units to start with); at the same time, both processes waited (measured 2026-11-28: 10 s idle)
-    units = list(dict.fromkeys(unit_of(item.nodeid) for item in items))
-    if all(unit in units for unit in WAITING) and len(units) > 3:
-        units = [unit for unit in units if unit not in WAITING]
-        units[0:1] = [WAITING[0], units[0], WAITING[1]]
-        place = {unit: index for index, unit in enumerate(units)}
-        items.sort(key=lambda item: place[unit_of(item.nodeid)])
 
 
 # About how long a test of each kind takes under `make test`, in seconds (docs/ci.md has the measured figures): enough
 # to deal out the longest units first. A test with several of these markers counts as its slowest.
 SECONDS = {"notebooks": 50, "multihost": 15, "faults": 8, "launch": 5, "multiproc": 2}
-WAITING = [f"tests/test_notebooks.py::test_notebook_runs_from_a_clean_kernel[{name}]"
-           for name in ("ddp_under_the_hood", "build_ddp_yourself")]
 
 
 # `make test` runs the tests in 2 processes (pytest-xdist), in units: a unit runs in one process, in order. Each
