@@ -49,15 +49,21 @@ def source(name):
 
 def source_hash(name):
     """What a notebook's outputs depend on: its lesson source, the numbered scripts it runs and shows, the
-    helpers it imports from notebooks/lessons/ (and tests/helpers.py, which runs imports), and the files of
-    benchmarks/, port/ and tools/ its code cells name (programs, published figures). Any of them changing makes the
-    committed outputs stale."""
+    helpers it imports from notebooks/lessons/ and theirs from each other (and tests/helpers.py, which runs
+    imports), and the files of benchmarks/, port/ and tools/ its code cells name (programs, published figures). Any
+    of them changing makes the committed outputs stale."""
     code = "\n".join(cell.source for cell in jupytext.read(source(name)).cells if cell.cell_type == "code")
     digest = hashlib.sha256(source(name).read_bytes())
     named = [path for folder in ("benchmarks", "port", "tools") for path in sorted((REPO / folder).glob("*.*"))
              if f"{folder}/{path.name}" in code]
     imported = {"runs"} | {name.strip() for line in re.findall(r"^from lessons import ([\w, ]+)", code, re.M)
                            for name in line.split(",")}  # runs: the others import it
+    pending = set(imported)
+    while pending:  # and what those import from each other (lessons.shard takes fsdp_mistakes' outcome)
+        text = (FOLDER / "lessons" / f"{pending.pop()}.py").read_text()
+        found = set(re.findall(r"^from lessons\.(\w+) import", text, re.M)) - imported
+        imported |= found
+        pending |= found
     support = [FOLDER / "lessons" / f"{module}.py" for module in sorted(imported)]
     support.append(REPO / "tests" / "helpers.py")  # runs imports it (run_group, free_port, load_script...)
     for path in sorted(REPO.glob("[0-9][0-9]_*.py")) + support + named:

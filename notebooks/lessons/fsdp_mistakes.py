@@ -43,10 +43,11 @@ def batch(rank, size=8):
     return torch.randn(size, 16, generator=generator), torch.randint(0, 4, (size,), generator=generator)
 
 
-def outcome(error):
-    """The error's type and first line, without gloo's source path (its build machine's, not this one's)."""
+def outcome(error, length=150):
+    """The error's type and first line (its first `length` characters), without gloo's source path (its build
+    machine's, not this one's)."""
     message = re.sub(r"^\[\S+\] ", "", str(error).splitlines()[0])
-    return f"{type(error).__name__}: {message[:150]}"
+    return f"{type(error).__name__}: {message[:length]}"
 
 
 def detail(error):

@@ -1,8 +1,6 @@
 """The sharded port's lesson (notebook shard_your_model): port/gpt_fsdp.py's classic mistakes, each run for real in a
 gloo group of CPU processes beside its correct version. Each worker(rank, world_size) returns a small dict of what
 happened; the model is gpt_fsdp.py's own GPT class, made small (2 blocks, width 32, 16 bytes of context)."""
-import re
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
+from lessons.fsdp_mistakes import outcome
 from lessons.runs import load_script
 
 SHARDED = "port/gpt_fsdp.py"
@@ -45,12 +44,6 @@ def loss_of(model, inputs, targets, reduction="mean"):
                            reduction=reduction)
 
 
-def outcome(error):
-    """The error's type and first line, without gloo's source path."""
-    message = re.sub(r"^\[\S+\] ", "", str(error).splitlines()[0])
-    return f"{type(error).__name__}: {message[:220]}"
-
-
 def whole_gradient(model):
     """Every parameter's gradient, whole, in one flat vector (every rank must call it: it gathers)."""
     return torch.cat([p.grad.full_tensor().flatten() if hasattr(p.grad, "full_tensor") else p.grad.flatten()
@@ -70,7 +63,7 @@ def meta_before_to_empty(rank, world_size):
         model(batch(rank)[0])
         return "no error"
     except Exception as error:
-        return outcome(error)
+        return outcome(error, 220)
 
 
 def tie(rank, world_size, steps=4):
@@ -113,13 +106,13 @@ def head_as_its_own_unit(rank, world_size):
         fully_shard(model.head, mesh=mesh)
         fully_shard(model, mesh=mesh)
     except Exception as error:
-        return {"when": "fully_shard", "error": outcome(error)}
+        return {"when": "fully_shard", "error": outcome(error, 220)}
     still_tied = model.head.weight is model.token.weight
     try:
         model(batch(rank)[0])
     except Exception as error:
         return {"when": "the first forward", "still one parameter after fully_shard": still_tied,
-                "error": outcome(error)}
+                "error": outcome(error, 220)}
     return {"when": "never", "still one parameter after fully_shard": still_tied}
 
 
@@ -269,7 +262,7 @@ def checkpointing_under_ddp(rank, world_size):
                 loss_of(model, inputs, targets).backward()
             result[name] = "trains"
         except RuntimeError as error:
-            result[name] = outcome(error)
+            result[name] = outcome(error, 220)
         dist.barrier()
     return result
 
@@ -291,7 +284,7 @@ def frozen(rank, world_size, steps=2):
     try:
         shard(model, mesh)
     except Exception as error:
-        return {"fully_shard": outcome(error)}
+        return {"fully_shard": outcome(error, 220)}
     before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(steps):
