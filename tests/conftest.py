@@ -132,7 +132,21 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):
             return unit_of(nodeid)
 
+        def _assign_work_unit(self, node):
+            """The first process takes the lectures and the others everything else, each the longest of its kind
+            first, while both kinds are left: a lecture spends much of its time in one process (its kernel, a
+            script starting) or waiting on a timeout, and a test that runs several processes fills those gaps,
+            where a second lecture would leave the cores idle. Then the longest unit left, whatever its kind."""
+            lectures = node.gateway.id == "gw0"
+            mine = [scope for scope in self.workqueue if (NOTEBOOK_RUN in scope) == lectures]
+            if mine:
+                self.workqueue.move_to_end(mine[0], last=False)
+            super()._assign_work_unit(node)
+
     return ByUnit(config, log)
+
+
+NOTEBOOK_RUN = "test_notebooks.py::test_notebook_runs_from_a_clean_kernel["
 
 
 @pytest.hookimpl(hookwrapper=True)
