@@ -227,7 +227,14 @@ def group_worker(rank, world_size, port, results_dir, worker, args, collective_t
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout))
     torch.save(worker(rank, world_size, *args), Path(results_dir) / f"{rank}.pt")
-    # Leave at once, without tearing the group down: some tests break it on purpose, and gloo's teardown
+    # The ranks leave together, once each has returned (its file exists): a rank that left at once would end a
+    # peer's wait in a collective it skipped with "Connection closed by peer", before the peer's own timeout, so
+    # a lesson would have to keep it busy for longer than the timeout to show that timeout.
+    deadline = time.monotonic() + collective_timeout + 60
+    while time.monotonic() < deadline and not all((Path(results_dir) / f"{peer}.pt").exists()
+                                                  for peer in range(world_size)):
+        time.sleep(0.02)
+    # Then at once, without tearing the group down: some tests break it on purpose, and gloo's teardown
     # while a peer is already gone can abort ("terminate called without an active exception").
     os._exit(0)
 

@@ -29,8 +29,8 @@ def groups():
     folder, contexts = Path(tempfile.mkdtemp(prefix="ddp-steps-build-ddp-")), {}
     for size in (2, 3):
         (folder / str(size)).mkdir()
-        contexts[size] = start_group(size, free_port(), str(folder / str(size)), build_ddp.lesson,
-                                     (COLLECTIVE_TIMEOUT + 1,), COLLECTIVE_TIMEOUT)
+        contexts[size] = start_group(size, free_port(), str(folder / str(size)), build_ddp.lesson, (),
+                                     COLLECTIVE_TIMEOUT)
     deadline = time.monotonic() + 90
     try:
         for size, context in contexts.items():

@@ -309,12 +309,13 @@ class WithExtra(nn.Module):
         return self.head(self.extra(hidden) if use_extra else hidden)
 
 
-def unused_parameter(rank, world_size, linger=5.0):
+def unused_parameter(rank, world_size):
     """The last rank skips `extra` for one step. Its bucket (the first: `extra` was registered last) never
     completes there, so that rank never launches its all-reduce; the others launch it and wait, until the
-    group's collective timeout. The last rank stays alive `linger` seconds (as a rank busy with anything
-    else would): its exit would end the others' wait early. Breaks the group: run it last. First, the same
-    case in torch's DDP with find_unused_parameters=True, 3 steps: does it complete, does it rebuild its buckets?"""
+    group's collective timeout. The last rank stays in the group until they are done (run_group: the ranks
+    leave together), as a rank busy with anything else would: its exit would end the others' wait early. Breaks
+    the group: run it last. First, the same case in torch's DDP with find_unused_parameters=True, 3 steps: does it
+    complete, does it rebuild its buckets?"""
     ddp = DDP(WithExtra(), bucket_cap_mb=CAP_MB, find_unused_parameters=True)
     began = time.perf_counter()
     for step in range(3):
@@ -331,20 +332,17 @@ def unused_parameter(rank, world_size, linger=5.0):
         message = re.sub(r"^\[\S+\] ", "", str(error).splitlines()[0])  # gloo's source path: not this machine's
         outcome = f"{type(error).__name__}: {message[:150]}"
     seconds = time.perf_counter() - began
-    if rank == world_size - 1:
-        time.sleep(linger)
     return {"buckets": [[name for name, p in model.module.named_parameters() if p in set(b)] for b in model.buckets],
             "outcome": outcome, "seconds": seconds, "torch, find_unused_parameters=True": torch_run}
 
 
-def lesson(rank, world_size, linger=5.0):
-    """Everything build_ddp_yourself runs in one group, the group-breaking experiment last (`linger`: longer
-    than the group's collective timeout)."""
+def lesson(rank, world_size):
+    """Everything build_ddp_yourself runs in one group, the group-breaking experiment last."""
     return {"equality": equality(rank, world_size), "division": division_orders(rank, world_size),
             "mistakes": mistakes(rank, world_size), "accumulation": accumulation(rank, world_size),
             "no_sync patterns": no_sync_patterns(rank, world_size),
             "subgroup broadcast": subgroup_broadcast(rank, world_size),
-            "unused": unused_parameter(rank, world_size, linger)}
+            "unused": unused_parameter(rank, world_size)}
 
 
 # --- Overlap, measured ---------------------------------------------------------------------------------------

@@ -116,8 +116,8 @@ def collective_on_rank_0_only(rank, world_size):
         except RuntimeError as error:
             return f"rank 0 after {time.monotonic() - began:.0f} s: {type(error).__name__}: {error}"
         return "rank 0: no error"
-    time.sleep(9)  # rank 1 went on without it (its own next collective would wait the same way); 9 s: well past
-    # the group's 3 s timeout, so that rank 0's timeout comes first even on a machine several times slower
+    # rank 1 went on without it (its own next collective would wait the same way); its process stays in the group
+    # until rank 0 is done too (runs.Processes: the ranks leave together), so rank 0's wait ends in its timeout
     return "rank 1: never called that all_reduce"
 
 

@@ -180,10 +180,11 @@ def seeded_by_rank(rank, world_size):
     return gathered
 
 
-def nan_loss_check(rank, world_size, agree, away=0):
+def nan_loss_check(rank, world_size, agree):
     """A few training steps of a tiny DDP model; at step 3 rank 1's input holds a NaN, so its loss is NaN.
-    agree=False, the mistake: each rank checks its own loss and leaves the loop alone; the rank that left then
-    works `away` seconds without any collective (as other_work in section 1). agree=True, the fix: every rank
+    agree=False, the mistake: each rank checks its own loss and leaves the loop alone; the rank that left does
+    nothing more, and its process stays in the group until the other is done too (runs.Processes: the ranks leave
+    together), as a process busy with other work would (other_work in section 1). agree=True, the fix: every rank
     checks the loss summed over the ranks by one all_reduce. Returns (the step at which this rank stopped, the
     lines it printed, each with the seconds since its first step)."""
     import time
@@ -216,8 +217,6 @@ def nan_loss_check(rank, world_size, agree, away=0):
                 return step, said
         elif not torch.isfinite(loss):
             say(f"step {step}: my loss is {loss.item()}: I leave the loop")
-            time.sleep(away)  # what follows the loop here has no collective
-            say(f"done with {away} s of other work, no collective")
             return step, said
         try:
             loss.backward()  # DDP all-reduces the gradients inside backward()

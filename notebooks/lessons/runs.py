@@ -88,7 +88,9 @@ class Processes:
 
         context = mp.get_context("spawn")  # fresh interpreters, started the way mp.spawn starts them
         self.size, self.results, self.jobs = size, context.Queue(), [context.Queue() for _ in range(size)]
-        self.processes = [context.Process(target=serve, args=(rank, size, jobs, self.results), daemon=True)
+        self.all_done = context.Barrier(size)  # the ranks leave each group together (serve)
+        self.processes = [context.Process(target=serve, args=(rank, size, jobs, self.results, self.all_done),
+                                          daemon=True)
                           for rank, jobs in enumerate(self.jobs)]
         for process in self.processes:
             process.start()
@@ -123,11 +125,13 @@ class Processes:
             process.kill()  # a process still tearing PyTorch down after a second: nothing of it is needed
 
 
-def serve(rank, size, jobs, results):
+def serve(rank, size, jobs, results, all_done):
     """What each process of Processes does until it is told to stop: wait for a job; join a process group with
-    the others, as 01's main does (gloo, MASTER_ADDR:MASTER_PORT, its rank, the world size); run the job; leave
-    the group; send back what the job returned."""
+    the others, as 01's main does (gloo, MASTER_ADDR:MASTER_PORT, its rank, the world size); run the job; send
+    back what it returned; once every rank has done so, leave the group."""
+    import contextlib
     import queue
+    import threading
     import traceback
     from datetime import timedelta
 
@@ -157,6 +161,11 @@ def serve(rank, size, jobs, results):
         except (Exception, SystemExit):  # SystemExit: argparse refusing a script's flags
             results.put((rank, True, traceback.format_exc()))
         finally:
+            # A rank that left at once would end a peer's wait in a collective it skipped with "Connection closed
+            # by peer", before the peer's own timeout: a lesson could show that timeout only by keeping the rank
+            # busy for longer. A rank still busy after the bound: the others leave without it.
+            with contextlib.suppress(threading.BrokenBarrierError):
+                all_done.wait(timeout=collective_timeout + 60)
             if dist.is_initialized():
                 dist.destroy_process_group()
 
