@@ -91,8 +91,8 @@ def pytest_collection_modifyitems(items):
         if not any(item.get_closest_marker(name) for name in STARTS_PROCESSES):
             item.add_marker(pytest.mark.quick)
     # Under `make test` (which keeps this order: --no-loadscope-reorder) the units are dealt out in this order, each
-    # to the first process that is free: the longest first, so that the last ones are short and both processes
-    # finish together; the quick tests last.
+    # to the first process that is free (the lectures to the first of them: ByUnit below): the longest first, so
+    # that the last ones are short and both processes finish together; the quick tests last.
     cost = collections.Counter()
     for item in items:
         marked = [seconds for name, seconds in SECONDS.items() if item.get_closest_marker(name)]
