@@ -105,7 +105,7 @@ def state_dicts_of_a_wrapped_model(rank, world_size):
 
 def collective_on_rank_0_only(rank, world_size):
     """The classic hang: rank 0 evaluates under `if rank == 0:`, and evaluation all-reduces its totals.
-    Rank 1 never calls that all_reduce; it goes on to its next step and waits there."""
+    Rank 1 never calls that all_reduce: it goes on without it."""
     import torch
     import torch.distributed as dist
 
@@ -116,8 +116,9 @@ def collective_on_rank_0_only(rank, world_size):
         except RuntimeError as error:
             return f"rank 0 after {time.monotonic() - began:.0f} s: {type(error).__name__}: {error}"
         return "rank 0: no error"
-    # rank 1 went on without it (its own next collective would wait the same way); its process stays in the group
-    # until rank 0 is done too (runs.Processes: the ranks leave together), so rank 0's wait ends in its timeout
+    # rank 1 went on without it (a next collective of its own would be paired with rank 0's all_reduce: collectives
+    # match by their order; when_it_breaks shows what follows). Its process stays in the group until rank 0 is
+    # done too (runs.Processes: the ranks leave together), so rank 0's wait ends in its timeout
     return "rank 1: never called that all_reduce"
 
 

@@ -223,7 +223,7 @@ def uneven_inputs(rank, world_size, use_join):
     outcome = f"rank {rank}: finished its {3 - rank} steps after {time.monotonic() - began:.1f} s"
     if not use_join:  # rank 1 goes on with its next work (validation, say) while rank 0 still waits; its process
         # stays in the group until rank 0 is done too (run_group: the ranks leave together)
-        outcome += ", then went on to other work"
+        outcome += ", then left the loop (its process stays in the group, as one busy with other work would)"
     return {"outcome": outcome, "weights": model.module.weight.detach().clone()}
 
 
