@@ -1,6 +1,6 @@
 """The GPU claims, one test each: what the scripts and the docs say about CUDA and NCCL. Every test here skips,
-saying why, where PyTorch sees no GPU: on this project's machines none has run yet (docs/tests.md lists which
-claim each one checks). `make test-gpu PYTHON=... OUT=...` (tools/gpu_check.py) runs them on a GPU machine with
+saying why, where PyTorch sees no GPU (the record of GPU runs: docs/gpu-runs/README.md; docs/tests.md lists
+which claim each one checks). `make test-gpu PYTHON=... OUT=...` (tools/gpu_check.py) runs them on a GPU machine with
 the Python and torch it has, and writes what each test found out (a finding: a message, a figure) into OUT.
 
 Sized for one GPU and a few minutes in all: tiny data, few steps, one launch per claim. The launcher is

@@ -9,7 +9,8 @@ It writes into OUT (few files, so that a machine lent for minutes hands them all
   found out (tests/test_gpu.py's findings: a warning seen or not, a difference measured), the benchmark's figures;
 - junit.xml: pytest's own record.
 On a machine without CUDA every test skips, saying so, the benchmark is skipped, and it exits 0: CI runs it there
-to prove the plumbing (docs/ci.md); the GPU half has still run nowhere until a GPU machine runs it.
+to prove the plumbing (docs/ci.md); the GPU half needs a GPU machine (the record of GPU runs:
+docs/gpu-runs/README.md).
 
 What it takes on one H200 (16 cores, torch 2.11, 2026-11-28, docs/gpu-runs/): the tests about 6 minutes (15 tests,
 362 s between them: each launch pays several seconds of start-up, the resume test 71 s), the benchmark about 2.5.
