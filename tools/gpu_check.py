@@ -12,10 +12,12 @@ On a machine without CUDA every test skips, saying so, the benchmark is skipped,
 to prove the plumbing (docs/ci.md); the GPU half needs a GPU machine (the record of GPU runs:
 docs/gpu-runs/README.md).
 
-What it takes on one H200 (16 cores, torch 2.11, 2026-11-28, docs/gpu-runs/): the tests about 6 minutes (15 tests,
-362 s between them: each launch pays several seconds of start-up, the resume test 71 s), the benchmark about 2.5.
-Each part is stopped at its limit (6 min 40 s and 2 min 30 s), so the whole check ends within 10 minutes whatever
-happens (a lent machine's one command may run 10); a stopped part still reports what it had.
+What it takes on one H200 (16 cores, torch 2.11, 2026-11-28, docs/gpu-runs/README.md): the tests about 6 minutes (15
+tests, 362 s between them: each launch pays several seconds of start-up, the resume test 71 s), the benchmark about
+2.5. Each part is stopped at its limit (6 min 40 s and 2 min 30 s), then given 20 s to write its files; the machine's
+facts are stopped at 60 s; and the benchmark's limit is shortened where needed so that it, its 20 s included, ends 9.5
+minutes after the start. So the whole check ends within 10 minutes whatever happens (a lent machine's one command may
+run 10); a stopped part still reports what it had.
 It needs torch and pytest; torchvision for the numbered scripts; not psutil, py-spy, pytest-timeout or pytest-xdist.
 """
 import argparse
@@ -34,8 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from helpers import descendants  # noqa: E402  (psutil's, or /proc's where this Python lacks psutil)
 
-TESTS_SECONDS = 400  # pytest is stopped here, the benchmark below: with both, the check ends within 10 minutes
+TESTS_SECONDS = 400  # pytest is stopped here; the benchmark at BENCHMARK_SECONDS, or sooner to end by DEADLINE
 BENCHMARK_SECONDS = 150
+GRACE_SECONDS = 20  # after SIGINT, for pytest to end its session and write its junit file
+MACHINE_SECONDS = 60
+DEADLINE = 570  # seconds from the start, graces included: 30 s to spare under a lent machine's 10-minute command
 BENCHMARK = REPO / "benchmarks" / "gpu_throughput.py"
 
 
@@ -53,13 +58,17 @@ print(json.dumps({"python": sys.version.split()[0], "executable": sys.executable
 
 def machine():
     """The machine's facts, from a child process: CUDA initialised here would hold memory on GPU 0 all along."""
-    result = subprocess.run([sys.executable, "-c", "import os" + MACHINE], capture_output=True, text=True, timeout=120)
+    try:  # a hung CUDA initialisation must not take the time the tests need, nor end the check without a report
+        result = subprocess.run([sys.executable, "-c", "import os" + MACHINE], capture_output=True, text=True,
+                                timeout=MACHINE_SECONDS)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {MACHINE_SECONDS} s"}
     return json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr[-2000:]}
 
 
 def run(command, seconds, log, env=None):
     """Runs a command with its output appended to the log. At `seconds`: SIGINT (pytest then ends its session and
-    writes its junit file), 20 s later SIGKILL to it and everything it started (the tests' launches run in
+    writes its junit file), GRACE_SECONDS later SIGKILL to it and everything it started (the tests' launches run in
     sessions of their own: they would keep the GPU busy). Returns (exit status, seconds)."""
     began = time.monotonic()
     log.write(f"\n$ {' '.join(map(str, command))}\n")
@@ -74,7 +83,7 @@ def run(command, seconds, log, env=None):
         family = descendants(process.pid)
         process.send_signal(signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=20)
+            process.wait(timeout=GRACE_SECONDS)
         for pid in [process.pid, *family, *descendants(process.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -104,28 +113,33 @@ def main():
     parser.add_argument("--out", type=Path, required=True, help="folder for log.txt, report.json, junit.xml")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
     findings = args.out / "findings.jsonl"
     findings.unlink(missing_ok=True)
     report = {"machine": machine(), "began": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     print(f"GPU check on {report['machine']}", flush=True)
     env = {**os.environ, "DDP_STEPS_GPU_FINDINGS": str(findings.resolve())}
     with open(args.out / "log.txt", "w") as log:
+        left = round(DEADLINE - GRACE_SECONDS - (time.monotonic() - began))
         status, seconds = run([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-rA", "-v",
                                "-p", "no:cacheprovider", f"--junitxml={(args.out / 'junit.xml').resolve()}"],
-                              TESTS_SECONDS, log, env)
+                              min(TESTS_SECONDS, left), log, env)
         log.flush()
         report["tests"] = {"exit": status, "seconds": seconds,
                            "each": outcomes(args.out / "junit.xml", (args.out / "log.txt").read_text(errors="replace"))}
         report["findings"] = [json.loads(line) for line in findings.read_text().splitlines()] if findings.exists() \
             else []
         (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")  # again below, with the benchmark
-        if report["machine"].get("gpus") and BENCHMARK.exists():
+        left = round(DEADLINE - GRACE_SECONDS - (time.monotonic() - began))
+        if report["machine"].get("gpus") and BENCHMARK.exists() and left > 0:
             benchmark = args.out / "benchmark.json"
-            status, seconds = run([sys.executable, BENCHMARK, "--out", benchmark.resolve()], BENCHMARK_SECONDS, log)
+            status, seconds = run([sys.executable, BENCHMARK, "--out", benchmark.resolve()],
+                                  min(BENCHMARK_SECONDS, left), log)
             report["benchmark"] = {"exit": status, "seconds": seconds,
                                    "figures": json.loads(benchmark.read_text()) if benchmark.exists() else None}
         else:
-            report["benchmark"] = {"skipped": f"no {BENCHMARK.name}" if report["machine"].get("gpus") else "no GPU"}
+            report["benchmark"] = {"skipped": "no GPU" if not report["machine"].get("gpus") else
+                                   f"no {BENCHMARK.name}" if not BENCHMARK.exists() else "no time left"}
     findings.unlink(missing_ok=True)  # in the report now: fewer files to hand back
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     counts = {}
