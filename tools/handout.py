@@ -16,6 +16,7 @@ tests), and links to those sources are dead: run the course's tests in the cours
 port/data/ddp_steps_prose.txt, made from earlier lesson sources, loses its exercise sections (questions and answers),
 so the port's runs there print other numbers than the port lecture shows. HANDOUT.md at its top says so.
 """
+import argparse
 import io
 import re
 import subprocess
@@ -108,7 +109,11 @@ def main(destination):
           "answers, one commit: push it where attendees clone it")
 
 
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("destination", metavar="DEST", help="a new folder for the handout (it must not exist yet)")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        sys.exit(__doc__)
-    main(sys.argv[1])
+    main(parse_args().destination)
