@@ -90,7 +90,8 @@ def test_each_lecture_ends_with_exercises_whose_worked_solutions_ran(name):
 
 def test_the_workshop_plan_shows_the_measured_figures():
     """docs/workshop.md's tables are what tools/workshop_times.py makes of docs/workshop_times.json, which holds a
-    measured figure for every lecture (re-measure after a lecture changes much: python tools/workshop_times.py)."""
+    measured figure for every lecture (re-measure after a lecture changes much: python tools/workshop_times.py
+    NAME, or --all for every lecture)."""
     import json
 
     import workshop_times

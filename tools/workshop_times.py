@@ -3,10 +3,13 @@ an otherwise idle machine), with the seconds of the whole run and of its exercis
 counted in words. Writes docs/workshop_times.json, from which docs/workshop.md's table is made (and checked:
 tests/test_notebooks.py). About 8 minutes on 2 cores.
 
-    .venv/bin/python tools/workshop_times.py            # all lectures, in reading order
+    .venv/bin/python tools/workshop_times.py --all      # all lectures, in reading order
     .venv/bin/python tools/workshop_times.py NAME ...   # only these (a new or changed lecture), the others kept
     .venv/bin/python tools/workshop_times.py --table    # print the table from the committed figures, no runs
+
+With no argument it prints its usage and changes nothing: replacing every committed figure takes `--all`.
 """
+import argparse
 import json
 import os
 import platform
@@ -96,25 +99,41 @@ def plans(figures):
     return "\n".join(out)
 
 
-def main(args):
-    if "--table" in args:
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help="measure only these lectures (notebooks/NAME.md) and keep the others' figures")
+    parser.add_argument("--all", action="store_true",
+                        help="measure every lecture and replace all of docs/workshop_times.json (about 8 minutes)")
+    parser.add_argument("--table", action="store_true", help="print the tables from the committed figures, no runs")
+    args = parser.parse_args(argv)
+    # The committed figures took minutes of an idle machine to measure: nothing replaces them by accident.
+    if args.all + args.table + bool(args.names) != 1:
+        parser.error("give exactly one of: NAME ..., --all, --table")
+    unknown = set(args.names) - set(notebooks.names())
+    if unknown:
+        parser.error(f"no lecture named {', '.join(sorted(unknown))} (the lectures: {', '.join(notebooks.names())})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.table:
         figures = json.loads(FIGURES.read_text())
         print(table(figures) + "\n\n" + plans(figures))
         return 0
     today = time.strftime("%Y-%m-%d", time.gmtime())
-    if args:  # these lectures measured now (each says when), the others' figures kept as they were
+    if args.names:  # these lectures measured now (each says when), the others' figures kept as they were
         figures = json.loads(FIGURES.read_text())
-        unknown = set(args) - set(notebooks.names())
-        if unknown:
-            sys.exit(f"no lecture named {', '.join(sorted(unknown))}")
         lectures = {name: figures["lectures"].get(name) for name in notebooks.names()}
-        for name in args:
+        for name in args.names:
             lectures[name] = {**measure(name), "measured": today}
             print(f"{name}: {lectures[name]}", flush=True)
         figures["lectures"] = lectures
     else:
         figures = {"measured": today, "python": platform.python_version(), "torch": notebooks.torch_version(),
-                   "cores": len(os.sched_getaffinity(0)), "lectures": {}}
+                   "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                   "lectures": {}}  # macOS has no sched_getaffinity
         for name in notebooks.names():
             figures["lectures"][name] = measure(name)
             print(f"{name}: {figures['lectures'][name]}", flush=True)
@@ -124,4 +143,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
