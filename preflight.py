@@ -136,6 +136,14 @@ def cpu_list(cpus):
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
+def cpu_affinity():
+    """The CPUs this process may run on. macOS has no sched_getaffinity, nor any call that binds a process to
+    chosen CPUs: there it may run on every CPU."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 def local_facts(env):
     hostname = socket.gethostname()
     interfaces = interface_addresses()
@@ -165,7 +173,7 @@ def local_facts(env):
         os.environ.get("NCCL_SOCKET_IFNAME"), "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": sys.version.split()[0], "backend": backend, "device": device, "gpus": gpus,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "shm_bytes": shm_bytes,
-        "affinity": cpu_list(os.sched_getaffinity(0)), "affinity_count": len(os.sched_getaffinity(0)),
+        "affinity": cpu_list(cpu_affinity()), "affinity_count": len(cpu_affinity()),
         "cpus": os.cpu_count(),
     }
 
