@@ -62,6 +62,20 @@ def test_notebook_runs_from_a_clean_kernel(name):
     builder.execute(committed(name), timeout=300)  # raises CellExecutionError on a failing cell
 
 
+def test_the_lectures_hide_every_gpu_from_what_they_start_whatever_the_attendee_exported():
+    """A kernel that imports lessons.runs (every lecture does) starts its processes with no GPU visible: on a
+    laptop with one NVIDIA GPU the scripts would otherwise pick CUDA, and 2 processes would need 2 GPUs."""
+    import os
+    import subprocess
+
+    probe = ("import sys; sys.path.insert(0, 'notebooks'); from lessons import runs; "
+             "print(runs.run(['python', '-c', 'import os; print(repr(os.environ[\"CUDA_VISIBLE_DEVICES\"]))']))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})  # as if the attendee had exported one
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "''"
+
+
 def test_the_lecture_of_step_n_is_notebook_n_and_every_other_is_named_by_its_subject():
     """Every lesson source is in the reading order (tools/notebooks.py's PARTS) once; a name that starts with a
     number is the lecture of the numbered script of that name, and each numbered script has its lecture."""

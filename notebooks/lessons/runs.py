@@ -17,6 +17,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# No GPU for the lectures, whatever the attendee exported: they teach the CPU path (gloo), as measured, and on a
+# laptop with one NVIDIA GPU the scripts would pick CUDA, and their 2 processes would need 2 GPUs. Set in the
+# kernel that imports this module, so that every process a lecture starts inherits it (start and run, Processes,
+# run_group, torchrun's workers).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # The tests' own helpers, written once: a process tree killer, a free port, a script loaded as a module, gloo
 # groups started in fresh processes.
 sys.path.insert(0, str(REPO / "tests"))
