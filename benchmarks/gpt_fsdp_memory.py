@@ -17,6 +17,8 @@ The build is measured inside each worker by a sitecustomize.py on PYTHONPATH (BU
 torch.manual_seed (the line before the model is built) it reads the resident set and resets the peak (Linux:
 /proc/self/clear_refs), and when AdamW is made (the model built, materialised, wrapped or sharded, its weights
 set) it reads the peak: the build's peak over what the process held before it.
+The activations are counted, not measured: the bytes autograd saves for backward in one forward and loss of the
+same GPT in this process (activations()).
 Writes benchmarks/gpt_fsdp_memory.json (raw) and benchmarks/gpt_fsdp_memory.md (made from the json only).
 """
 import argparse
@@ -136,12 +138,13 @@ def parameters(args):
 
 
 def predicted_state(name, nproc, args):
-    """(Bytes a rank holds between steps, and at a step's peak less the activations and the collectives' buffers.)
+    """(Bytes a rank holds between steps; those plus every gradient and, under FSDP2, three whole units.)
     Between steps: fp32 weights and AdamW's two moments, 12 B a parameter, and DDP's gradient buckets, 4 B (DDP
     keeps them; the gradients themselves are freed by zero_grad(set_to_none=True)); under FSDP2 the pieces of each
-    (1/N; under HSDP with 2 copies, 1/(N/2)). At the peak, the gradients too (4 B a parameter, or its pieces), and
-    under FSDP2 about three whole units at once (4 B x the largest unit each: the one computing, its gradients in
-    backward, the next one gathered early)."""
+    (1/N; under HSDP with 2 copies, 1/(N/2)). The second adds the gradients (4 B a parameter, or its pieces), and
+    under FSDP2 three whole units (4 B x the largest unit each: the one computing, its gradients in backward, the
+    next one gathered early). It is not the peak less the activations: the gradients are made in backward while
+    the activations are freed, and at the end of forward, when every activation is held, no gradient exists yet."""
     total, largest = parameters(args)
     if name == "DDP":
         return 16 * total, 20 * total
@@ -160,6 +163,40 @@ def predicted_build(name, nproc, rank, args):
     return 4 * total / nproc + 4 * 4 * args.n_embd ** 2 + (4 * total if rank == 0 else 0)
 
 
+def activations(args):
+    """Bytes autograd saves for backward in one forward and loss of port/gpt_fsdp.py's GPT with one process's batch,
+    each storage once, the parameters left out: {"plain": ..., "checkpointed": ...}. With activation checkpointing
+    each block keeps only its input (and backward then holds one block's again while it recomputes it). The same at
+    every N: the batch per process is fixed."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    spec = importlib.util.spec_from_file_location("gpt_fsdp", REPO / "port" / "gpt_fsdp.py")
+    port = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(port)
+    counts = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = port.GPT(64, args.n_layer, args.n_embd // 64, args.n_embd, 0.0, recompute=recompute)
+        weights, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+        def pack(tensor, weights=weights, saved=saved):  # views share a storage: q, k and v are one
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        tokens = torch.randint(0, 256, (args.batch_size, 65))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        counts["checkpointed" if recompute else "plain"] = sum(saved.values())
+        del loss
+    return counts
+
+
 def spread(values, digits=1):
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
@@ -175,14 +212,20 @@ def table(raw):
              "cores are oversubscribed: their tokens/s are not speeds; their memory is.\n",
              "Peak: the largest of the ranks' peak resident sets, less the same script's on a one-block GPT of "
              "width 16 (what the processes hold without the model): median (min-max) of the repeats. Predicted: the "
-             "training state a rank holds between steps, and at a step's peak less the activations and the "
-             "collectives' buffers, which it does not predict (benchmarks/gpt_fsdp_memory.py, predicted_state). "
+             "training state a rank holds between steps; and that plus every gradient and, under FSDP2, three "
+             "gathered units (benchmarks/gpt_fsdp_memory.py, predicted_state). The latter is not the peak less the "
+             "activations: the gradients are made in backward while the activations are freed, and at the end of "
+             "forward, when every activation is held, no gradient exists yet. The activations, counted (not "
+             "measured in these runs; activations()): one forward and loss of this GPT saves "
+             f"{raw['activations']['plain'] / MB:.1f} MB for backward per rank, the same at every N (the batch per "
+             f"process is fixed); with activation checkpointing {raw['activations']['checkpointed'] / MB:.1f} MB, "
+             "and backward holds one block's again while it recomputes it. "
              "Tokens/s: rank 0's median over the steps after the first, as a ratio to DDP's at the same N in the "
              "same repeat. Loss: the last step's training loss (the batch per process is fixed: at N=4 the global "
              "batch is twice N=2's, and so the loss differs). A window of 64 bytes is 64 tokens (the port's tokens "
              "are bytes). The prediction counts everything at fp32: under --param-dtype bf16 its three gathered "
              "units would take 2 bytes a parameter, and it does not model that.\n",
-             "| configuration | N | predicted: held between steps | predicted: peak less activations and buffers | "
+             "| configuration | N | predicted: held between steps | predicted: held + every gradient + 3 units | "
              "measured peak | tokens/s / DDP's | last loss |", "|---|---|---|---|---|---|---|"]
     for name, (_, _, counts) in CONFIGS.items():
         for nproc in counts:
@@ -198,7 +241,7 @@ def table(raw):
     lines.append("")
     words = dict(above="more memory in every repeat", below="less memory in every repeat",
                  neither="cannot tell from these repeats")
-    for name, counts in (("FSDP2, activation checkpointing", (2, 4)), ("FSDP2, --param-dtype bf16", (2,)),
+    for name, counts in (("FSDP2, activation checkpointing", (1, 2, 4)), ("FSDP2, --param-dtype bf16", (2,)),
                          ("FSDP2, --amp (bf16 autocast)", (2,))):
         for nproc in counts:
             change = paired(raw, "FSDP2", name, nproc)
@@ -257,7 +300,7 @@ def main():
     import torch
 
     raw = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpus": os.cpu_count(), "args": vars(args),
-           "repeats": args.repeats, "runs": []}
+           "repeats": args.repeats, "activations": activations(args), "runs": []}
     plan = [(name, script, extra, nproc) for name, (script, extra, counts) in CONFIGS.items() for nproc in counts]
     plan += [(f"baseline {script}", script, [], nproc) for script in ("port/gpt_ddp.py", "port/gpt_fsdp.py")
              for nproc in (1, 2, 4)]
