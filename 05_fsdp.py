@@ -595,7 +595,7 @@ def main(args):
         scheduler.load_state_dict(snapshot["scheduler"])
         scaler.load_state_dict(snapshot["scaler"])
         torch.set_rng_state(snapshot["rng"]["torch"].cpu())
-        if device.type == "cuda" and torch.is_tensor(snapshot["rng"]["cuda"]):  # rank 0's GPU RNG (2+ GPUs not run)
+        if device.type == "cuda" and torch.is_tensor(snapshot["rng"]["cuda"]):  # rank 0's GPU RNG state, set
             torch.cuda.set_rng_state(snapshot["rng"]["cuda"].cpu(), device)  # on each rank's own: all draw alike
         random.setstate(snapshot["rng"]["python"])
         if args.lr != snapshot["args"]["lr"]:  # --allow-new-lr: the schedule goes on from its place, scaled

@@ -10,7 +10,7 @@ by itself: each rank writes 5 to /proc/self/clear_refs (Linux: the peak set to t
 is formed, builds, and reads its peak (VmHWM) and present RSS (VmRSS) after. glibc's mmap threshold is fixed
 (MALLOC_MMAP_THRESHOLD_=131072), so that freed tensors go back to the system rather than staying in the heap.
 On a CPU the host memory and the device memory are the same, so rank 0's whole build counts against it here; on
-a GPU it is in host memory and only the pieces are on the GPU (not run: no GPU with two processes).
+a GPU it is in host memory and only the pieces are on the GPU.
 Writes benchmarks/fsdp_build_memory.json (raw) and benchmarks/fsdp_build_memory.md (made from the json).
 """
 import argparse

@@ -315,7 +315,7 @@ def why(r, mb, P):
             "been freed, later ones come from the heap, and freed heap memory mostly stays in the process. With "
             f"{MALLOC} (the threshold fixed at 128 KiB), FSDP2's peak RSS in steps at N=2 is {fixed('fsdp', 2)} MB "
             f"against {free('fsdp', 2)} MB without, and DDP's {fixed('ddp', 2)} MB against {free('ddp', 2)} MB. "
-            "(A GPU's caching allocator behaves differently: not measured.)",
+            "(A GPU's caching allocator behaves differently.)",
             f"- **Padding.** _init_sharded_param pads dim 0 to the first chunk (\"0th always padded\"); to_local() "
             f"returns the unpadded view, so the counted tensors match 12P/N and the storages hold "
             f"{padding(r['runs']['fsdp4'])} bytes more at N=4, all ranks (Linear(2048, 10): 10 rows in chunks of "

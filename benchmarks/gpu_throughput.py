@@ -1,6 +1,5 @@
 """The GPU benchmark: what the scripts reach on one GPU, beside what that GPU can give. Run by the GPU check
-(tools/gpu_check.py, `make test-gpu`), in about 2.5 minutes. It ran once, on an H200 with torch 2.11, stopped at 120 s
-with 9 of its then 12 figures (docs/gpu-runs/2026-11-28-h200/); since then it drops 00's two --amp loader runs.
+(tools/gpu_check.py, `make test-gpu`), in about 2.5 minutes. Its figures from each GPU run: docs/gpu-runs/README.md.
 
     python benchmarks/gpu_throughput.py --out benchmark.json
 

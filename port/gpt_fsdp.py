@@ -271,7 +271,7 @@ def check_same_text(digest, path):
 
 def gather_uneven(values, total):
     """Every rank's values when rank r holds items r, r + world_size, ... of `total`: gloo's all_gather refuses
-    uneven sizes (torch's docstring says they are supported, naming no backend; NCCL's: not run here), so each shard
+    uneven sizes (torch's docstring says they are supported, naming no backend), so each shard
     is padded to the largest and the padding cut off again by the shard sizes every rank can compute.
     (DistributedSampler pads by repeating samples instead: gathered, those would count twice.)"""
     world_size = dist.get_world_size()  # port lesson
