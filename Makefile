@@ -1,5 +1,6 @@
-# The README's commands: `make demo` and `make test` (both set up .venv first when needed), `make test-root`
-# for the tests that need root, `make test-oldest` for the oldest supported torch (docs/versions.md).
+# The README's commands: `make demo` and `make test` (both set up .venv first when needed); `make test-lessons`
+# re-executes every lecture, `make test-root` runs the tests that need root, `make test-gpu` the GPU claims, and
+# `make test-oldest` the scripts on the oldest supported torch (docs/versions.md). docs/ci.md has their times.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,12 +17,20 @@ JOBS ?= 2
 # One target at a time, even under make -j: the test targets share the local Slurm cluster and the machine's cores.
 .NOTPARALLEL:
 
-.PHONY: setup demo test test-quick test-root test-gpu test-oldest lock diffs lint clean
+.PHONY: setup python-check demo test test-lessons test-quick test-root test-gpu test-oldest lock diffs lint clean
 
 setup: $(VENV)/.installed
 
+# The lock pins wheels for Python 3.11-3.13 (3.11 is the one tested); an older Python fails deep inside pip (3.10:
+# contourpy 1.3.3 has no wheel for it), so say it in one line first. Checked only when a venv is to be made.
+python-check:
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; ok = (3, 11) <= v <= (3, 13); \
+	ok or print(f"make setup: {sys.executable} is Python {v[0]}.{v[1]}; the lock needs Python 3.11 (tested) to 3.13:", \
+	"install one, then run e.g. make setup PYTHON=python3.11", file=sys.stderr); sys.exit(not ok)'
+
 # requirements.txt is the lock: exact versions of everything, generated from requirements.in (`make lock`).
 $(VENV)/.installed: requirements.txt
+	@$(MAKE) --no-print-directory python-check
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check --no-cache-dir -r requirements.txt
 	touch $@
@@ -29,8 +38,15 @@ $(VENV)/.installed: requirements.txt
 demo: setup
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) 02_torchrun.py
 
+# Every claim of the scripts, the port, the tools, the Slurm files and the preflight, and the fast checks of the
+# committed notebooks: everything but the lectures' clean-kernel executions, which `make test-lessons` runs.
 test: setup
-	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder
+	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m "not notebooks"
+
+# Every lecture re-executed from a clean kernel (its asserts check its prose against its outputs); making_ddp_fast's
+# live shaped link needs root (`make test-root` runs it).
+test-lessons: setup
+	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m notebooks
 
 # A quick subset of the tests: nothing that starts processes (the `quick` marker: tests/conftest.py).
 test-quick: setup

@@ -90,9 +90,9 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} needs root: add its file to ROOT_FILES in tests/conftest.py")
         if not any(item.get_closest_marker(name) for name in STARTS_PROCESSES):
             item.add_marker(pytest.mark.quick)
-    # Under `make test` (which keeps this order: --no-loadscope-reorder) the units are dealt out in this order, each
-    # to the first process that is free (the lectures to the first of them: ByUnit below): the longest first, so
-    # that the last ones are short and both processes finish together; the quick tests last.
+    # Under `make test` and `make test-lessons` (which keep this order: --no-loadscope-reorder) the units are dealt
+    # out in this order, each to the first process that is free: the longest first, so that the last ones are short
+    # and both processes finish together; the quick tests last.
     cost = collections.Counter()
     for item in items:
         marked = [seconds for name, seconds in SECONDS.items() if item.get_closest_marker(name)]
@@ -132,22 +132,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):
             return unit_of(nodeid)
 
-        def _assign_work_unit(self, node):
-            """The first process takes the lectures and the others everything else, each the longest of its kind
-            first, while both kinds are left: a lecture spends much of its time in one process (its kernel, a
-            script starting) or waiting on a timeout, and two lectures side by side left the cores idle. Measured:
-            about 20 s less per run, the cores' busy share unchanged (docs/ci.md, session 18). Then the longest
-            unit left, whatever its kind."""
-            lectures = node.gateway.id == "gw0"
-            mine = [scope for scope in self.workqueue if (NOTEBOOK_RUN in scope) == lectures]
-            if mine:
-                self.workqueue.move_to_end(mine[0], last=False)
-            super()._assign_work_unit(node)
-
     return ByUnit(config, log)
-
-
-NOTEBOOK_RUN = "test_notebooks.py::test_notebook_runs_from_a_clean_kernel["
 
 
 @pytest.hookimpl(hookwrapper=True)
