@@ -17,7 +17,7 @@ JOBS ?= 2
 # One target at a time, even under make -j: the test targets share the local Slurm cluster and the machine's cores.
 .NOTPARALLEL:
 
-.PHONY: setup python-check demo test test-lessons test-quick test-root test-gpu test-oldest lock diffs lint clean
+.PHONY: setup python-check demo check check-setup test test-lessons test-exercises test-quick test-root test-gpu test-oldest lock diffs lint clean
 
 setup: $(VENV)/.installed
 
@@ -38,10 +38,24 @@ $(VENV)/.installed: requirements.txt
 demo: setup
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) 02_torchrun.py
 
+# The exercises (exercises/README.md): `make check` lists them and your progress, `make check EX=NAME` grades one.
+EX ?=
+check: setup
+	$(BIN)/python exercises/grade.py $(EX)
+
+# A workshop's first ten minutes: the Python, the venv, a 2-process gloo all-reduce; one line each. It needs no venv
+# to start (it says whether there is one), so it runs with the Python that would make one.
+check-setup:
+	@$(PYTHON) exercises/check_setup.py
+
 # Every claim of the scripts, the port, the tools, the Slurm files and the preflight, and the fast checks of the
 # committed notebooks: everything but the lectures' clean-kernel executions, which `make test-lessons` runs.
 test: setup
-	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m "not notebooks"
+	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m "not notebooks and not exercises"
+
+# Every exercise's check run on its solution (passes), its starter and its forbidden shortcuts (fail as expected).
+test-exercises: setup
+	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m exercises
 
 # Every lecture re-executed from a clean kernel (its asserts check its prose against its outputs); making_ddp_fast's
 # live shaped link needs root (`make test-root` runs it).

@@ -79,7 +79,7 @@ ROOT_FIXTURES = {"two_hosts", "cluster"}
 
 
 # The markers of the tests that start processes (or need a GPU); every other test gets `quick`: `make test-quick`
-STARTS_PROCESSES = ("launch", "multiproc", "multihost", "faults", "slurm", "notebooks", "gpu")
+STARTS_PROCESSES = ("launch", "multiproc", "multihost", "faults", "slurm", "notebooks", "exercises", "gpu")
 
 
 def pytest_collection_modifyitems(items):
@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(items):
 
 # About how long a test of each kind takes under `make test`, in seconds (docs/ci.md has the measured figures): enough
 # to deal out the longest units first. A test with several of these markers counts as its slowest.
-SECONDS = {"notebooks": 50, "multihost": 15, "faults": 8, "launch": 5, "multiproc": 2}
+SECONDS = {"notebooks": 50, "exercises": 20, "multihost": 15, "faults": 8, "launch": 5, "multiproc": 2}
 
 
 # `make test` runs the tests in 2 processes (pytest-xdist), in units: a unit runs in one process, in order. Each
