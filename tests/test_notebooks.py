@@ -137,11 +137,22 @@ def test_the_handout_keeps_every_question_and_no_answer(name):
         assert cell in notes or any(cell.source and original.source.endswith(cell.source) for original in lecture.cells)
 
 
+def load_check(name):
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "exercises"))  # as exercises/grade.py does: a check imports _grading
+    spec = importlib.util.spec_from_file_location(f"check_{name}", REPO / "exercises" / name / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_handout_is_a_repository_of_one_commit_without_answers(tmp_path):
     """The tool copies the committed course, without its history (which holds every answer), takes the answers
-    out of its notebooks, their sources and the port's text, and commits that alone: no removed answer line is left
-    in any file (of the answers in words, each line over 50 characters; of the solution cells, each "# Solution"
-    line); the scripts, tests and comments stay: some tell an answer, docs/workshop.md says so."""
+    out of its notebooks, their sources and the port's text, and the exercises' solutions (the starters, tasks and
+    checks stay; its README sends attendees to make check, not make test), and commits that alone: no removed
+    answer line is left in any file (of the answers in words, each line over 50 characters; of the solution cells,
+    each "# Solution" line); the scripts, tests and comments stay: some tell an answer, docs/workshop.md says so."""
     import subprocess
 
     done = subprocess.run([sys.executable, str(REPO / "tools" / "handout.py"), str(tmp_path / "handout")],
@@ -151,7 +162,19 @@ def test_the_handout_is_a_repository_of_one_commit_without_answers(tmp_path):
     log = subprocess.run([*git, "log", "--all", "--format=%s"], capture_output=True, text=True, timeout=30)
     status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, timeout=30)
     assert log.stdout.splitlines() == ["ddp-steps: the workshop handout (no exercise answers)"] and not status.stdout
-    assert (tmp_path / "handout" / "HANDOUT.md").exists() and (tmp_path / "handout" / "01_mp_spawn.py").exists()
+    given = tmp_path / "handout"
+    assert (given / "COURSE.md").exists() and (given / "01_mp_spawn.py").exists()
+    readme = (given / "README.md").read_text()
+    assert "make check-setup" in readme and "make check EX=" in readme and "Not for this copy: `make test`" in readme
+    exercises = sorted(path.parent.name for path in (given / "exercises").glob("*/check.py"))  # as committed
+    for name in exercises:  # the starters, tasks and checks stay; no solution, nor a shortcut near one
+        check = load_check(name)
+        assert {path.name for path in (given / "exercises" / name).iterdir()} >= {"TASK.md", "check.py", check.FILE}
+        assert not (given / "exercises" / name / "solution.py").exists()
+        solution = (REPO / "exercises" / name / "solution.py").read_text()
+        assert not [path for path in (given / "exercises").rglob("*.py") if path.read_text() == solution]
+    assert not (given / "tests" / "exercise_shortcuts").exists()
+    assert not (given / "tests" / "test_exercises.py").exists()
     import handout
 
     answers = set()  # each removed answer's lines of prose, and each solution's "# Solution: ..." line

@@ -14,11 +14,15 @@ stays: the lectures with their outputs as executed, and each exercise's heading 
 (notebooks/*.md) go too, for they hold the same answers; so in the handout `make test` fails (its notebook
 tests), and links to those sources are dead: run the course's tests in the course. And the port's built-in text,
 port/data/ddp_steps_prose.txt, made from earlier lesson sources, loses its exercise sections (questions and answers),
-so the port's runs there print other numbers than the port lecture shows. HANDOUT.md at its top says so.
+so the port's runs there print other numbers than the port lecture shows. And the exercises lose their solutions
+(exercises/*/solution.py), with the tests that need them and the forbidden shortcuts they are checked against
+(near-answers). The handout's README.md says what an attendee runs (make check-setup, make check EX=NAME, not
+make test) and all of the above; the course's own README becomes COURSE.md.
 """
 import argparse
 import io
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -39,12 +43,23 @@ PROSE = Path("port") / "data" / "ddp_steps_prose.txt"
 NOTE = "*(Handout: the solution is not in this copy; your instructor shows it once you have predicted.)*"
 README = """# ddp-steps: the workshop handout
 
-The course as committed, without its history and without the exercises' answers (made by `tools/handout.py`).
-The answers come on the day; the whole course, with them, after it. Because the lesson sources
-(`notebooks/*.md`) are not here, `make test` fails its notebook tests and links to those files are dead: run the
-tests in the course itself. The port's built-in text (`port/data/ddp_steps_prose.txt`, made from earlier
-lessons) has lost its exercise sections, so the port's runs print other numbers here than its lecture shows.
-Everything else (`make setup`, `make demo`, the scripts, the notebooks) works as there.
+The course as committed, without its history, without the lectures' exercise answers and without the exercises'
+solutions (made by `tools/handout.py`). The course's own front page is [COURSE.md](COURSE.md).
+
+```bash
+make setup              # once, before the day: the venv (about 3 GB to download)
+make check-setup        # the first ten minutes: Python, the venv, a 2-process all-reduce; one line each
+make check              # the exercises (exercises/README.md) and which you have passed
+make check EX=01_ddp    # grade your exercises/01_ddp/: one line per claim, and where to read when one fails
+```
+
+The lectures are the notebooks in `notebooks/` (run them in Jupyter, cell by cell; their outputs are committed, so
+they also read without running). The answers come on the day; the whole course, with them, after it.
+
+Not for this copy: `make test` (the course's own tests need the lesson sources, `notebooks/*.md`, and the
+solutions, which are not here: run them in the course) and `tools/notebooks.py`. Links to `notebooks/*.md` are
+dead here. The port's built-in text (`port/data/ddp_steps_prose.txt`, made from earlier lessons) has lost its
+exercise sections, so the port's runs print other numbers here than its lecture shows.
 """
 
 
@@ -100,13 +115,18 @@ def main(destination):
     (destination / PROSE).write_text(without_exercises((destination / PROSE).read_text()))
     with open(destination / PROSE.parent / "README.md", "a") as readme:
         readme.write("\nIn this handout the text's exercise sections were taken out (tools/handout.py).\n")
-    (destination / "HANDOUT.md").write_text(README)
+    # The exercises' answers: each solution, and the tests that need them (the forbidden shortcuts are near-answers).
+    for path in [*destination.glob("exercises/*/solution.py"), destination / "tests" / "test_exercises.py"]:
+        path.unlink()
+    shutil.rmtree(destination / "tests" / "exercise_shortcuts", ignore_errors=True)
+    (destination / "README.md").rename(destination / "COURSE.md")  # its links resolve from the same folder
+    (destination / "README.md").write_text(README)
     git = ["git", "-C", str(destination), "-c", "user.name=ddp-steps handout", "-c", "user.email=handout@invalid"]
     for command in (["init", "--quiet", "--initial-branch=main"], ["add", "--all"],
                     ["commit", "--quiet", "--message", "ddp-steps: the workshop handout (no exercise answers)"]):
         subprocess.run(git + command, check=True, timeout=120)
-    print(f"{destination}: the course without its history and its {len(notebooks.names())} lectures' exercise "
-          "answers, one commit: push it where attendees clone it")
+    print(f"{destination}: the course without its history, its {len(notebooks.names())} lectures' exercise answers "
+          "and the exercises' solutions, one commit: push it where attendees clone it")
 
 
 def parse_args(argv=None):
