@@ -104,19 +104,25 @@ def make_batches(count, batch_size=8):
              torch.randint(10, (batch_size,), generator=generator)) for _ in range(count)]
 
 
-def test_gradients_are_averaged():
+@pytest.fixture(scope="module")
+def one_step():
+    """One DDP step on 2 ranks, batch B each, no accumulation: rank 0's (DDP, single-process, all-reduces)."""
+    return run_group(ddp_step_vs_single_step, 2, make_batches(2), 1)[0]
+
+
+def test_gradients_are_averaged(one_step):
     """One DDP step on 2 ranks with batch B each = one single-process step on the 2B batch."""
-    (ddp, single, _), _ = run_group(ddp_step_vs_single_step, 2, make_batches(2), 1)
+    ddp, single, _ = one_step
     assert torch.allclose(ddp, single, atol=1e-6)
     assert not torch.allclose(ddp, flat_parameters(bn_free_model()), atol=1e-4), "the step must change the weights"
 
 
-def test_no_sync_accumulation_equals_one_big_step_and_communicates_once():
+def test_no_sync_accumulation_equals_one_big_step_and_communicates_once(one_step):
     """4 micro-batches per rank with no_sync on the first 3 = one step on the 8x batch, with a single
-    round of gradient all-reduces (the same count as a step without accumulation)."""
+    round of gradient all-reduces (the same count as a step without accumulation: one_step's)."""
     (accumulated, single, accumulated_all_reduces), _ = run_group(ddp_step_vs_single_step, 2, make_batches(8), 4)
     assert torch.allclose(accumulated, single, atol=1e-6)
-    (_, _, plain_all_reduces), _ = run_group(ddp_step_vs_single_step, 2, make_batches(2), 1)
+    _, _, plain_all_reduces = one_step
     assert accumulated_all_reduces == plain_all_reduces >= 1
 
 
