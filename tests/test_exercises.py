@@ -73,3 +73,13 @@ def test_each_exercise_has_a_task_with_hints_a_lecture_a_starter_a_solution_and_
         assert (EXERCISES / name / file).is_file()
     assert check.FILE in task, "the task names the file to edit"
     assert any(path.stem.startswith(f"{name}__") for path in SHORTCUTS), "a forbidden shortcut is tested"
+
+
+def test_the_exercise_list_and_the_readmes_course_tables_name_every_exercise_beside_its_lecture():
+    listed = (EXERCISES / "README.md").read_text()
+    course = (REPO / "README.md").read_text()
+    for name in NAMES:
+        lecture = check_module(name).LECTURE
+        assert f"[{name}]({name}/TASK.md) | [{lecture.split('/')[1].removesuffix('.ipynb')}](../{lecture})" in listed
+        row = next(line for line in course.splitlines() if f"(exercises/{name}/TASK.md)" in line)
+        assert f"({lecture})" in row, f"README: {name} is not beside its lecture"
