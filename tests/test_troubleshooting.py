@@ -222,20 +222,26 @@ class TwoHeads(nn.Module):
     def forward(self, x):
         return self.used(x)
 
-def unused_parameters(rank, world_size, find_unused):
-    torch.manual_seed(0)
-    model = DDP(TwoHeads(), find_unused_parameters=find_unused)
-    try:
-        for _ in range(2):
-            model(torch.randn(3, 4)).sum().backward()
-    except RuntimeError as error:
-        return str(error)
-    return "ok"
+def unused_parameters(rank, world_size):
+    """Two steps of a model with an unused head, first without find_unused_parameters, then (a fresh model, the
+    same group: the refusal comes before any collective of the second step) with it: {find_unused: outcome}."""
+    said = {}
+    for find_unused in (False, True):
+        torch.manual_seed(0)
+        model = DDP(TwoHeads(), find_unused_parameters=find_unused)
+        try:
+            for _ in range(2):
+                model(torch.randn(3, 4)).sum().backward()
+            said[find_unused] = "ok"
+        except RuntimeError as error:
+            said[find_unused] = str(error)
+    return said
 
 @pytest.mark.multiproc
 def test_unused_parameters_need_find_unused_parameters():
-    assert "find_unused_parameters=True" in run_group(unused_parameters, 2, False)[0]
-    assert run_group(unused_parameters, 2, True) == ["ok", "ok"]
+    said = run_group(unused_parameters, 2)
+    assert all("find_unused_parameters=True" in ranks_said[False] for ranks_said in said), said
+    assert [ranks_said[True] for ranks_said in said] == ["ok", "ok"]
 
 class WithAMethod(nn.Module):
     def __init__(self):
