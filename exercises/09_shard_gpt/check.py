@@ -15,6 +15,7 @@ FILE = "train.py"
 LECTURE = "notebooks/shard_your_model.ipynb"
 CLAIMS = ["the 2-process run finishes",
           "each transformer block and the whole model are FSDP2 units; each rank holds about half of the parameters",
+          "the model is built on the meta device: rank 1 never builds it in memory, rank 0 once (for its values)",
           "the tie survives sharding: head.weight is token.weight, one parameter, and the model holds no second copy",
           "with unequal target counts on the ranks, the first step's gradient equals one process's mean over all "
           "targets (1e-5)",
@@ -105,7 +106,15 @@ def check_in(learner_file, grade, folder):
                          + ("" if sharded else "\nis fully_shard called on each block, then on the whole model?"),
                 expected=f"every block and the model units; about {total // 2} elements each")
 
-    grade.claim(CLAIMS[2], records[0]["tied"] and records[0]["elements"] == total, see=SEE_TIE,
+    built = [record["built_on"] for record in records]
+    on_meta = built[1] and set(built[1]) == {"meta"} and 0 < built[0].count("meta") == len(built[0]) - 1
+    grade.claim(CLAIMS[2], on_meta, see=SEE_IDEAS,
+                observed=f"the devices of the GPTs each rank built: rank 0 {built[0]}, rank 1 {built[1]}\nis the "
+                         "sharded model built under torch.device('meta'), and only rank 0's whole build in memory?",
+                expected="rank 0: 'meta' and one 'cpu' (build_whole, whose values every rank receives); rank 1: 'meta' "
+                         "only")
+
+    grade.claim(CLAIMS[3], records[0]["tied"] and records[0]["elements"] == total, see=SEE_TIE,
                 observed=f"head.weight is token.weight: {records[0]['tied']}; the parameters hold "
                          f"{records[0]['elements']} elements, the whole model {total}\n"
                          "was the model given memory (to_empty) before fully_shard? "
@@ -132,7 +141,7 @@ def check_in(learner_file, grade, folder):
                "with rank 0's whole build after to_empty (which leaves whatever bytes were in memory)?")
     else:
         why = "is each rank's loss its sum over the count of all the step's targets, times the number of ranks?"
-    grade.claim(CLAIMS[3], error is not None and error < TOLERANCE, see=SEE_MEANS,
+    grade.claim(CLAIMS[4], error is not None and error < TOLERANCE, see=SEE_MEANS,
                 observed=f"relative difference {error if error is None else f'{error:.1e}'} (the ranks hold "
                          f"{counts[0]} and {counts[1]} targets)\n{why}",
                 expected=f"under {TOLERANCE} (float rounding; the mean of each rank's mean is off by {off:.2f})")
@@ -146,7 +155,7 @@ def check_in(learner_file, grade, folder):
         why = "the first loss is the mean of each rank's mean, not one mean over all the step's targets"
     else:
         why = "the first loss is already off: does every rank start from rank 0's whole build?"
-    grade.claim(CLAIMS[4], worst < TOLERANCE, see=SEE_MEANS,
+    grade.claim(CLAIMS[5], worst < TOLERANCE, see=SEE_MEANS,
                 observed=f"losses {[f'{x:.6f}' for x in learner_losses]}, largest relative difference {worst:.1e}\n"
                          + why,
                 expected=f"losses {[f'{x:.6f}' for x in losses]}")

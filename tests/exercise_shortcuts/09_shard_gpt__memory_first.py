@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 VOCAB, WIDTH, CONTEXT, LAYERS, HEADS = 64, 32, 16, 2, 2
 STEPS, WINDOWS = 3, 8  # optimizer steps; windows in each step's global batch, dealt out to the ranks
+BUILT_ON = []  # given: the device type of every GPT this process builds, for the check
 
 
 class Block(nn.Module):
@@ -48,6 +49,7 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+        BUILT_ON.append(self.token.weight.device.type)  # given
 
     def forward(self, tokens):
         x = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
@@ -111,7 +113,7 @@ def main():
     # given: what the check reads
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     record = {"losses": losses, "elements_held": held, "elements": sum(p.numel() for p in model.parameters()),
-              "tied": model.head.weight is model.token.weight,
+              "tied": model.head.weight is model.token.weight, "built_on": BUILT_ON,
               "units": {"blocks": [isinstance(block, FSDPModule) for block in model.blocks],
                         "root": isinstance(model, FSDPModule)},
               "targets": int((targets[mine] != -100).sum())}
