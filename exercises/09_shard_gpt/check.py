@@ -27,8 +27,10 @@ STARTER_FAILS = CLAIMS[1]
 # rank's mean is off by about 0.5 here, and weights left untrained change the third loss by 6e-3.
 TOLERANCE = 1e-5
 SEE_IDEAS = "notebooks/shard_your_model.ipynb, section '1. The ideas'"
-SEE_TIE = "notebooks/shard_your_model.ipynb, section '4. The classic mistakes, run live' ('A tie broken, ...')"
-SEE_MEANS = "notebooks/shard_your_model.ipynb, section '4. The classic mistakes, run live' ('One rank's mean of means')"
+SEE_TIE = ("notebooks/shard_your_model.ipynb, section '4. The classic mistakes, run live', part 'A tie broken, and two "
+           "copies drifting apart'")
+SEE_MEANS = ("notebooks/shard_your_model.ipynb, section '4. The classic mistakes, run live', part 'One rank's mean of "
+             "means'")
 
 
 def load_learner(learner_file):
