@@ -36,7 +36,7 @@ def check(learner_file, grade):
     from _grading import run, torchrun  # here: grade.py puts exercises/ on sys.path, the tests import this file bare
 
     with tempfile.TemporaryDirectory(prefix="ex06-") as folder:
-        result = run(torchrun(2, learner_file, "--out", folder), timeout=45)
+        result = run(torchrun(2, learner_file, "--out", folder), timeout=50)
         files = [Path(folder) / f"rank{rank}.pt" for rank in range(2)]
         if not result.ok or not all(file.is_file() for file in files):
             grade.not_checked(CLAIMS, f"the 2-rank run did not finish: {result.summary()}")

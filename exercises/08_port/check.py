@@ -1,5 +1,6 @@
 """Exercise 08: the port run twice, at once: 1 process with 16 samples a step, 2 processes with 8 each."""
 import importlib.util
+import socket
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,12 @@ def first_step_apart(these, those, close):
                 None)
 
 
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def whole_set_loss(learner_file, weights):
     """The validation loss of `weights`, computed here in one process on every validation sample, with the model and
     the validation set of the learner's file."""
@@ -44,14 +51,17 @@ def whole_set_loss(learner_file, weights):
 
 
 def check(learner_file, grade):
-    from _grading import finish, start, torchrun  # here: grade.py puts exercises/ on sys.path; tests import bare
+    from _grading import finish, python, start, torchrun  # here: grade.py puts exercises/ on sys.path (the tests
+    #                                                       import this file bare)
 
     with tempfile.TemporaryDirectory(prefix="ex08-") as folder:
         one, two = Path(folder) / "one", Path(folder) / "two"
-        # both at once: 3 single-threaded workers on 2 cores, well inside the deadline, and one start-up's wait
-        runs = [start(torchrun(1, learner_file, "--batch-size", 16, "--out", one)),
+        # Both at once: 3 single-threaded workers on 2 cores, and one start-up's wait. The 1-process run gets the
+        # variables torchrun would give its one worker, without a torchrun process of its own (one torch import less).
+        runs = [start(python(learner_file, "--batch-size", 16, "--out", one), RANK=0, LOCAL_RANK=0, WORLD_SIZE=1,
+                      LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()),
                 start(torchrun(2, learner_file, "--batch-size", 8, "--out", two))]
-        single, double = (finish(process, timeout=50) for process in runs)
+        single, double = (finish(process, timeout=55) for process in runs)
         files = [one / "rank0.pt", two / "rank0.pt", two / "rank1.pt"]
         missing = [str(file.relative_to(folder)) for file in files if not file.is_file()]
         if not (single.ok and double.ok) or missing:
