@@ -1,11 +1,11 @@
 """04_fault_tolerant.py loses nothing: ten workers killed at random steps in one run, a writer killed mid-write, a
-truncated or malicious snapshot, SIGTERM and SIGUSR1 all end with exactly the parameters of a run that was never
-interrupted (bitwise: CPU, gloo, same seed). A resume that would change what the run computes is
-refused; one that changes only how it runs goes on."""
+truncated snapshot, SIGTERM and SIGUSR1 all end with exactly the parameters of a run that was never interrupted
+(bitwise: CPU, gloo, same seed), and the loader's workers draw alike on a resume. A resume that would change what
+the run computes is refused; one that changes only how it runs goes on. (A malicious snapshot, refused with its code
+never run: tests/test_refused_input.py.)"""
 import contextlib
 import io
 import os
-import pickle
 import random
 import re
 import signal
@@ -121,27 +121,6 @@ def test_a_truncated_newest_snapshot_falls_back_to_the_previous_with_a_warning(r
     assert_same_as_reference(reference, output, snapshot)
 
 
-class Malicious:
-    """Unpickling this runs code: here, creating a marker file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_a_malicious_snapshot_is_refused_and_its_code_never_runs(tmp_path):
-    marker, snapshot = tmp_path / "pwned", tmp_path / "snapshot.pt"
-    with open(snapshot, "wb") as f:
-        pickle.dump({"model": Malicious(str(marker))}, f)
-    code, output = wait(*launch(tmp_path, "run", command(snapshot)), timeout=120)
-    assert code != 0
-    assert f"error: --checkpoint {snapshot}: no usable snapshot among {snapshot} (UnpicklingError)" in output
-    assert "Detected pickle protocol" not in output, "torch's warning, before the one line"
-    assert not marker.exists(), "weights_only=True must refuse to run the pickle's code"
-
-
 def assert_loader_workers_ignore_stop_signals(agent):
     """Every process below the ranks (each rank's DataLoader workers and the fork server they come from) ignores
     both stop signals, by the kernel's own record: they must not die first (a worker watches its parent)."""
@@ -162,26 +141,80 @@ def assert_stopped_with_a_snapshot(output, snapshot):
     return epoch
 
 
+# The loader's workers, recorded: a sitecustomize.py, imported at start-up by every Python interpreter of a run
+# (PYTHONPATH), the fork server included, so the workers it forks have it too. A wrapper around DataLoader.__init__
+# makes each loader's workers append their rank, set size and base seed to SEED_LOG; the callable is an instance of
+# a module-level class, which pickle sends as the class's name plus its fields. The script is run unchanged.
+RECORD_WORKER_SEEDS = """
+import os
+import torch.utils.data as data
+
+
+class Record:
+    def __init__(self, size, then):
+        self.size, self.then = size, then
+
+    def __call__(self, worker_id):
+        with open(os.environ["SEED_LOG"], "a") as log:
+            log.write(f"{os.environ['RANK']} {self.size} {data.get_worker_info().seed - worker_id}\\n")
+        if self.then:
+            self.then(worker_id)
+
+
+original = data.DataLoader.__init__
+
+
+def init(self, dataset, *args, **options):
+    original(self, dataset, *args, **{**options, "worker_init_fn": Record(len(dataset), options.get("worker_init_fn"))})
+
+
+data.DataLoader.__init__ = init
+"""
+
+
+def worker_seeds(log):
+    """{rank: [base seed of each training loader, in the order they started]}: the training set has TRAIN_SAMPLES
+    samples (a rank's validation shard fewer); a loader's workers share one base seed (each adds its id)."""
+    seeds = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        rank, size, seed = map(int, line.split())
+        if size == TRAIN_SAMPLES and seed not in seeds.setdefault(rank, []):
+            seeds[rank].append(seed)
+    return seeds
+
+
 def test_two_preemption_signals_each_save_a_snapshot_and_the_reruns_resume(reference, tmp_path):
     """A job preempted twice: SIGTERM to torchrun (which forwards it to the workers) in epoch 1; in the rerun, once
     epoch 1 is done, SIGUSR1 to every process (workers and their loaders alike, as Slurm's scancel --signal sends
     it). Each stop saves a snapshot, and the last rerun ends bitwise equal to the uninterrupted run. With DataLoader
     workers (--num-workers 2) that get the signal too, and TensorBoard: a stop leaves by os._exit, which runs no
-    clean-up, so the writer is closed before it, and the file holds every finished epoch's scalars."""
+    clean-up, so the writer is closed before it, and the file holds every finished epoch's scalars.
+
+    The loader's workers, recorded (RECORD_WORKER_SEEDS): augmentation would run in them, seeded from the loader's
+    generator, which 04 seeds from (seed, epoch, rank). The 2 ranks x 2 epochs draw 4 different base seeds, and a
+    run resumed mid-epoch draws that epoch's seeds again: the rerun's epoch 1 those of the first run, which began
+    it; the last run's epoch 2 those of the rerun, which began it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     snapshot, board = tmp_path / "snapshot.pt", tmp_path / "tb"
+    (tmp_path / "sitecustomize.py").write_text(RECORD_WORKER_SEEDS)
     run = command(snapshot, 0, "--num-workers", "2", "--tensorboard", board)
-    agent, log = launch(tmp_path, "first", run)
+
+    def recorded(name):
+        return environment(SEED_LOG=tmp_path / f"{name}.seeds", PYTHONPATH=tmp_path)
+
+    agent, log = launch(tmp_path, "first", run, recorded("first"))
     wait_for_new_snapshot(snapshot, wait_for_new_snapshot(snapshot, 0))
     assert_loader_workers_ignore_stop_signals(agent)
     os.kill(agent.pid, signal.SIGTERM)  # torchrun forwards TERM to its workers
     _, output = wait(agent, log)
     assert assert_stopped_with_a_snapshot(output, snapshot) == 1
 
-    agent, log = launch(tmp_path, "second", run)
+    agent, log = launch(tmp_path, "second", run, recorded("second"))
     deadline = time.monotonic() + 120
-    while "epoch 1/2" not in log.read_text():  # then stop in epoch 2
+    # then stop in epoch 2, once both ranks' epoch-2 loaders have started their workers (recorded)
+    while "epoch 1/2" not in log.read_text() or [len(seeds) for _, seeds in sorted(
+            worker_seeds(tmp_path / "second.seeds").items())] != [2, 2]:
         assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     assert_loader_workers_ignore_stop_signals(agent)
@@ -194,10 +227,16 @@ def test_two_preemption_signals_each_save_a_snapshot_and_the_reruns_resume(refer
     steps = [event.step for event in EventAccumulator(str(board)).Reload().Scalars("val_loss")]
     assert steps == [1], "every finished epoch's scalars, on disk"
 
-    code, output = wait(*launch(tmp_path, "third", run))
+    code, output = wait(*launch(tmp_path, "third", run, recorded("third")))
     assert code == 0, output[-3000:]
     assert "resumed from" in output
     assert_same_as_reference(reference, output, snapshot)
+
+    first, second, third = (worker_seeds(tmp_path / f"{name}.seeds") for name in ("first", "second", "third"))
+    assert sorted(second) == [0, 1] and all(len(seeds) == 2 for seeds in second.values()), second  # epochs 1, 2
+    assert len({seed for seeds in second.values() for seed in seeds}) == 4, "per rank and per epoch: " + str(second)
+    assert first == {rank: seeds[:1] for rank, seeds in second.items()}, (first, second)  # epoch 1, resumed
+    assert third == {rank: seeds[1:] for rank, seeds in second.items()}, (third, second)  # epoch 2, resumed
 
 
 def test_ten_kill_9s_at_random_steps_in_one_run_each_resume_to_identical_parameters(reference, tmp_path):
@@ -304,73 +343,3 @@ def test_a_resume_on_another_world_size_with_other_workers_goes_on_and_says_so(r
     assert (f"resumed from {snapshot}: epoch 3, 0 samples into it; world size 2 then, 1 now; from this command: "
             f"--num-workers 2 (snapshot: 0), --checkpoint {snapshot} (snapshot: {folder / 'snapshot.pt'})") in output
     assert checksums(output) == {checksum}
-
-
-# --- the loader's workers: seeded per rank and epoch, and alike on a resume -------------------------------------
-
-# Imported at start-up by every Python interpreter of the run (PYTHONPATH), the fork server included, so the workers
-# it forks have it too. A wrapper around DataLoader.__init__ makes each loader's workers append their rank, set size
-# and base seed; the callable is an instance of a module-level class, which pickle sends as the class's name plus
-# its fields.
-RECORD_WORKER_SEEDS = """
-import os
-import torch.utils.data as data
-
-
-class Record:
-    def __init__(self, size, then):
-        self.size, self.then = size, then
-
-    def __call__(self, worker_id):
-        with open(os.environ["SEED_LOG"], "a") as log:
-            log.write(f"{os.environ['RANK']} {self.size} {data.get_worker_info().seed - worker_id}\\n")
-        if self.then:
-            self.then(worker_id)
-
-
-original = data.DataLoader.__init__
-
-
-def init(self, dataset, *args, **options):
-    original(self, dataset, *args, **{**options, "worker_init_fn": Record(len(dataset), options.get("worker_init_fn"))})
-
-
-data.DataLoader.__init__ = init
-"""
-
-
-LOADER_SAMPLES = 512  # the loader-workers test's training set: 8 steps per epoch of 2 x 32
-
-
-def worker_seeds(log):
-    """{rank: [base seed of each training loader, in order]} (the training set has LOADER_SAMPLES samples)."""
-    seeds = {}
-    for line in log.read_text().splitlines():
-        rank, size, seed = line.split()
-        if size == str(LOADER_SAMPLES):
-            seeds.setdefault(int(rank), []).append(int(seed))
-    return seeds
-
-
-def test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_alike(tmp_path):
-    """With --num-workers > 0, augmentation would run in the loader's workers, seeded from the loader's generator.
-    04 seeds it from (seed, epoch, rank): the 2 ranks x 2 epochs get 4 different base seeds, and a run resumed
-    from the snapshot of epoch 1 gives epoch 2's loaders the same seeds as the uninterrupted run (and ends with
-    the same parameters). Real workers, recorded by a wrapper around DataLoader; the script is run unchanged."""
-    (tmp_path / "sitecustomize.py").write_text(RECORD_WORKER_SEEDS)
-    run = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", SCRIPT,
-           "--train-samples", str(LOADER_SAMPLES), *TRAIN[2:-2], "--save-every-steps", "1000", "--num-workers", "1",
-           "--checkpoint", tmp_path / "whole.pt"]
-    recorded = dict(PYTHONPATH=tmp_path)
-    code, output = wait(*launch(tmp_path, "whole", run, environment(SEED_LOG=tmp_path / "whole.seeds", **recorded)))
-    assert code == 0, output[-3000:]
-    whole = worker_seeds(tmp_path / "whole.seeds")
-    assert sorted(whole) == [0, 1] and all(len(seeds) == 2 for seeds in whole.values())
-    assert len({seed for seeds in whole.values() for seed in seeds}) == 4, whole
-    (tmp_path / "resumed.pt").write_bytes((tmp_path / "whole.pt.prev").read_bytes())  # the end of epoch 1
-    run[run.index(tmp_path / "whole.pt")] = tmp_path / "resumed.pt"
-    resumed = environment(SEED_LOG=tmp_path / "resumed.seeds", **recorded)
-    code, resumed_output = wait(*launch(tmp_path, "resumed", run, resumed))
-    assert code == 0 and "resumed from" in resumed_output, resumed_output[-3000:]
-    assert worker_seeds(tmp_path / "resumed.seeds") == {rank: seeds[1:] for rank, seeds in whole.items()}
-    assert checksums(resumed_output) == checksums(output)

@@ -13,13 +13,11 @@ pytestmark = pytest.mark.launch
 
 # One case per way a script refuses (argparse, its input checks, --evaluate, the launcher checks): every refused
 # input of every script is in tests/test_refused_input.py's table, checked in-process; here, that the command line
-# shows it in one line with a non-zero exit.
+# shows it in one line with a non-zero exit. (02 without torchrun: PARTIAL below, the same line of 02.)
 CASES = {
-    "negative epochs": ([PYTHON, "01_mp_spawn.py", "--epochs", "-1"], "--epochs must be at least 1"),
     "missing data path": ([PYTHON, "00_single_gpu.py", "--data", "/no/such/dir"], "/no/such/dir: no train/ folder"),
     "missing checkpoint": ([PYTHON, "00_single_gpu.py", "--evaluate", "nope.pt"], "--evaluate nope.pt: no such file"),
     "zero processes": ([PYTHON, "01_mp_spawn.py", "--nproc", "0"], "--nproc 0: need at least 1 process"),
-    "02 without torchrun": ([PYTHON, "02_torchrun.py"], "must be started by torchrun: torchrun --standalone"),
     "03 without torchrun": ([PYTHON, "03_multinode.py"], "started by torchrun on every node: torchrun --nnodes"),
     "00 under torchrun x2": (torchrun(2, "00_single_gpu.py"), "does not use torchrun's processes: with 2 of them"),
     "01 under torchrun x2": (torchrun(2, "01_mp_spawn.py"), "does not use torchrun's processes: with 2 of them"),
@@ -118,6 +116,7 @@ def test_a_missing_or_malformed_launcher_variable_is_named_in_one_line(script, m
 PARTIAL = {  # as a user would meet them: a launcher's environment copied in part, a typo in a job script
     "02 with part of torchrun's environment": (
         [PYTHON, "02_torchrun.py"], {"RANK": "0", "WORLD_SIZE": "2"},
+        "02_torchrun.py must be started by torchrun: torchrun --standalone --nproc_per_node=2 02_torchrun.py "
         "(LOCAL_RANK is not set, MASTER_ADDR is not set, MASTER_PORT is not set)"),
     "04 with a malformed MASTER_PORT": ([PYTHON, "04_fault_tolerant.py"], {**TORCHRUN_ENV, "MASTER_PORT": "29500/tcp"},
                                         "(MASTER_PORT='29500/tcp' is not a whole number)"),

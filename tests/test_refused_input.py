@@ -8,6 +8,7 @@ import contextlib
 import io
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -50,6 +51,7 @@ REFUSED = {
     "negative learning rate": (no_files, ["--lr", "-0.1"], 1, "--lr and --timeout must be positive numbers"),
     "learning rate not a number": (no_files, ["--lr", "nan"], 1, "--lr and --timeout must be positive numbers"),
     "zero timeout": (no_files, ["--timeout", "0"], 1, "--lr and --timeout must be positive numbers"),
+    "negative epochs": (no_files, ["--epochs", "-1"], 1, "--epochs must be at least 1, got -1"),
     "zero batch size": (no_files, ["--batch-size", "0"], 1, "--batch-size must be at least 1, got 0"),
     "zero gradient accumulation": (no_files, ["--grad-accum", "0"], 1, "--grad-accum must be at least 1, got 0"),
     "negative DataLoader workers": (no_files, ["--num-workers", "-1"], 1, "--num-workers must be 0 or more, got -1"),
@@ -165,6 +167,28 @@ def pickled(name):
     return make
 
 
+class Malicious:
+    """Unpickling this runs code: here, creating a marker file, MARKER beside the snapshot."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+MARKER = "pwned"
+
+
+def malicious(name):
+    """A maker of a pickle whose loading would run code (Malicious): weights_only=True must refuse to run it."""
+    def make(root):
+        with open(root / name, "wb") as f:
+            pickle.dump({"model": Malicious(str(root / MARKER))}, f)
+        return root / name
+    return make
+
+
 def cut(name, content, keep=0.5):
     """A maker of a torch file cut short, as an interrupted copy leaves it."""
     def make(root):
@@ -225,6 +249,8 @@ DAMAGED_FOR_04 = {
     "snapshot cut short": (cut("s.pt", lambda: checkpoint_of(optimizer={})), "no usable snapshot among {path} ("),
     "text file": (saved("s.pt", b"not a snapshot\n"), "no usable snapshot among {path} ("),
     "plain pickle": (pickled("s.pt"), "no usable snapshot among {path} (UnpicklingError)"),
+    "malicious pickle": (malicious("s.pt"), "no usable snapshot among {path} (UnpicklingError); move them away to "
+                         "start over"),
     "folder at PATH.prev": (lambda root: (root / "s.pt.prev").mkdir() or root / "s.pt",
                             "no usable snapshot among {path}.prev (Is a directory: s.pt.prev)"),
     "plain state_dict": (saved("s.pt", lambda: load_script("00_single_gpu.py").build_model("cnn", 10).state_dict()),
@@ -237,14 +263,19 @@ DAMAGED_FOR_04 = {
 
 @pytest.mark.parametrize("case", DAMAGED_FOR_04)
 def test_04_refuses_a_damaged_or_foreign_snapshot_in_one_line_and_leaves_it(case, tmp_path):
-    """In-process: 04's own load_snapshot, which every rank runs before any step (tests/test_fsdp.py: 05's)."""
+    """In-process: 04's own load_snapshot, which every rank runs before any step (tests/test_fsdp.py: 05's); every
+    rank refusing under torchrun: test_04_refuses_a_damaged_snapshot_on_every_rank_before_any_step_and_leaves_it. A
+    malicious pickle's code never runs: the file it would create (MARKER) does not exist."""
     make, message = DAMAGED_FOR_04[case]
     path, module = make(tmp_path), load_script("04_fault_tolerant.py")
     before, output = snapshot_of(tmp_path), io.StringIO()
-    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), pytest.raises(SystemExit) as stop:
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), pytest.raises(SystemExit) as stop, \
+            warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")  # (torch warns of a plain pickle's protocol: 04 must keep it quiet)
         module.load_snapshot(module.parse_args(["--checkpoint", str(path)]), "cpu", 10)
     assert stop.value.code.startswith(f"error: --checkpoint {path}: " + message.replace("{path}", str(path)))
-    assert "\n" not in stop.value.code and output.getvalue() == "", "one line, and no warning before it"
+    assert "\n" not in stop.value.code and output.getvalue() == "" and not warned, "one line, no warning before it"
+    assert not (tmp_path / MARKER).exists(), "weights_only=True must refuse to run the pickle's code"
     assert snapshot_of(tmp_path) == before
 
 

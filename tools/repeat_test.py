@@ -1,9 +1,10 @@
 """Runs one test many times in a row, with the Python that runs this script, and counts how each run ended (issue
 34: the loader-workers test hung about once in 12 runs on torch 2.9.1 and once in 55 on 2.4.1, a DataLoader worker
-stuck at its start, before the loaders got a fork server). Not a test: 200 runs take one to two hours on 2 cores.
+stuck at its start, before the loaders got a fork server; its claims are now checked in the preemption test below,
+which runs the loader's workers too). Not a test: 200 runs take hours on 2 cores.
 
     .venv-oldest/bin/python tools/repeat_test.py --runs 200 \\
-        "tests/test_fault_tolerance.py::test_loader_workers_draw_differently_per_rank_and_epoch_and_a_resume_draws_alike"
+        "tests/test_fault_tolerance.py::test_two_preemption_signals_each_save_a_snapshot_and_the_reruns_resume"
 
 A run counts as passed when pytest exits 0, failed when it exits otherwise (the test's own deadlines turn a hang
 into a failure that prints every process's stacks), and hung when it is still running after --timeout seconds (then
