@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _grading import run, torchrun
+from _grading import finish, start, torchrun
 
 FILE = "train.py"
 LECTURE = "notebooks/05_fsdp.ipynb"
@@ -83,14 +83,23 @@ def check(learner_file, grade):
 
 
 def check_in(learner_file, grade, folder):
-    result = run(torchrun(2, learner_file, "--out", folder), timeout=50)
+    launched = start(torchrun(2, learner_file, "--out", folder))
+    try:  # meanwhile, the one-process reference: the run spends its first seconds starting processes, importing torch
+        learner = load_learner(learner_file)
+        reference = one_process(learner)
+    except Exception as error:  # the given parts broken: said after the run's own verdict
+        reference = error
+    result = finish(launched, 50)
     finished = result.ok and all((folder / f"rank{rank}.{kind}").exists() for rank in (0, 1) for kind in ("json", "pt"))
     if not grade.claim(CLAIMS[0], finished, observed=result.summary(), expected="exit status 0, and each rank's files",
                        see=SEE_MISTAKES):
         grade.not_checked(CLAIMS[1:], "the run failed")
         return
-    learner = load_learner(learner_file)
-    losses, weights = one_process(learner)
+    if isinstance(reference, Exception):
+        grade.not_checked(CLAIMS[1:], "the given parts of your file (build_model, make_optimizer, global_batch) "
+                                      f"failed in one process: {type(reference).__name__}: {reference}")
+        return
+    losses, weights = reference
     total = sum(value.numel() for value in weights.values())
     records, states = zip(*(read_rank(folder, rank) for rank in (0, 1)), strict=True)
 
