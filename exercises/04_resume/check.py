@@ -113,7 +113,7 @@ def check(learner_file, grade):
 
 
 def check_in(learner_file, grade, work):
-    # the three at once: each waits mostly for its imports and its rendezvous
+    # the three at once: most of each is starting Python and importing torch, which overlap on 2 cores
     whole = launch(learner_file, work / "whole")
     killed = launch(learner_file, work / "killed", "--kill-after", KILL_AFTER)
     (work / "writer").mkdir()
