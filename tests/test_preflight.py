@@ -81,22 +81,27 @@ def test_different_process_counts_per_node_are_a_warning_that_says_what_breaks()
     assert "== verdict: OK, 2 node(s) (1 and 2 processes per node, 3 in all) can train together" in report
 
 
+# What the tests below need of the bandwidth test, smaller than the defaults (which the loopback test checks)
+SMALL = ["--sizes-mb", "0.5,1", "--iters", "2"]
+
+
 @pytest.mark.multihost
 def test_three_nodes_name_the_slowest_pair():
     endpoint = f"127.0.0.1:{free_port()}"
-    results, _ = run_nodes([preflight_node(endpoint, "pre-three", nnodes=3)] * 3)
+    results, _ = run_nodes([preflight_node(endpoint, "pre-three", nnodes=3) + SMALL] * 3)
     report = the_report(results)
     assert [result.returncode for result in results] == [0, 0, 0], report
-    pairs = re.search(r"node pairs, .* \(GB/s\): (.*)", report).group(1)
+    pairs = re.search(r"node pairs, ping-pong of 1 MB .* \(GB/s\): (.*)", report).group(1)
     assert len(pairs.split(", ")) == 3, "every pair of 3 nodes, each measured"
     assert re.search(r"slowest pair of nodes: \S+ <-> \S+, \d+\.\d+ GB/s", report)
     rows = bandwidth(report)
+    assert [mb for mb, _, _ in rows] == [0.5, 1], "the sizes asked for"
     assert all(abs(busbw - algbw * 4 / 3) < 2e-3 for _, algbw, busbw in rows), "busbw = algbw x 2(n-1)/n, n = 3"
 
 
 @pytest.mark.launch
 def test_plain_python_checks_this_machine_alone():
-    results, _ = run_nodes([[PYTHON, "preflight.py", "--timeout", TIMEOUT]])
+    results, _ = run_nodes([[PYTHON, "preflight.py", "--timeout", TIMEOUT, *SMALL]])
     report = the_report(results)
     assert results[0].returncode == 0, report
     assert "no launcher: checking this machine alone, 2 processes" in results[0].stdout
