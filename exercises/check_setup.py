@@ -14,8 +14,11 @@ VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 # Run by the venv's Python in 2 processes: a real gloo group on the CPU and one all-reduce, as every exercise's
 # check forms; each process sums its rank + 1, so 2 processes must both print 3.
 ALL_REDUCE = """
+import time
+began = time.perf_counter()
 import os, sys, datetime
 import torch, torch.distributed as dist
+import_seconds = time.perf_counter() - began
 import torch.multiprocessing as mp
 
 def worker(rank, port):
@@ -33,11 +36,15 @@ if __name__ == "__main__":
         port = s.getsockname()[1]
     mp.spawn(worker, args=(port,), nprocs=2)
     print("torch", torch.__version__, "cuda visible:", torch.cuda.is_available())
+    print(f"import seconds {import_seconds:.1f}")
 """
 
 
-def line(ok, text, fix=""):
-    print(f"{'OK  ' if ok else 'FAIL'}  {text}")
+SLOW_IMPORT = 6  # seconds: about 2-4 on this project's 2-core machines when idle, 13 when heavily loaded
+
+
+def line(ok, text, fix="", bad="FAIL"):
+    print(f"{'OK  ' if ok else bad}  {text}")
     if not ok and fix:
         print("      what to do: " + fix.replace("\n", "\n      "))
     return ok
@@ -77,6 +84,12 @@ def main():
     versions = [text for text in output.splitlines() if text.startswith("torch ")]
     if versions:
         line(True, f"{versions[0].split(' cuda')[0]}; the checks hide any GPU (they run on the CPU with gloo)")
+    imports = [float(text.split()[-1]) for text in output.splitlines() if text.startswith("import seconds ")]
+    if imports:  # the checks' deadlines assume a few seconds per process start (most of it this import)
+        fast = imports[0] <= SLOW_IMPORT
+        line(fast, f"importing torch took {imports[0]:.1f} s" + ("" if fast else f", over {SLOW_IMPORT} s"),
+             "this machine is slow or busy: close what else runs, and give the checks more time with SLOWER=2 "
+             "(make check EX=NAME SLOWER=2); a correct run can otherwise outlast a check's deadline", bad="SLOW")
     print("Ready: make check lists the exercises." if ok else "Not ready: fix each FAIL above, then run this again.")
     return 0 if ok else 1
 

@@ -5,7 +5,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from _grading import finish, python, start, torchrun
+from _grading import SLOWER, finish, python, start, torchrun
 
 FILE = "hello.py"
 LECTURE = "notebooks/02_torchrun.ipynb"
@@ -15,7 +15,7 @@ STARTER_FAILS = ("under torchrun --standalone --nproc_per_node=2, 2 processes ea
 CLAIMS = [STARTER_FAILS,
           "each reports world size 2, the size of the group it joined",
           "an all-reduce of rank + 1 over the group gives 1 + 2 = 3 in each process",
-          f"started with plain python, it exits with an error within {REFUSAL_SECONDS} s",
+          f"started with plain python, it exits with an error within {REFUSAL_SECONDS * SLOWER:g} s",
           "and says why in one line that names torchrun"]
 SECTION = "notebooks/02_torchrun.ipynb, section '{}'"
 ENVIRONMENT = SECTION.format("The environment each worker gets")
