@@ -1,7 +1,7 @@
 """The exercises (exercises/): each check passes on its solution, fails on the untouched starter at the claim it
-declares, and fails on every forbidden shortcut (tests/exercise_shortcuts/NAME__what.py, whose docstring's first
-line names the claim that must fail); each exercise has a task text with hints and a lecture to read; the handout
-ships starters, tasks and checks, never a solution."""
+declares, and fails on every forbidden shortcut (tests/exercise_shortcuts/NAME__what.diff: the solution with the
+shortcut taken, as a patch whose first line names the claim that must fail, then why); each exercise has a task
+text with hints and a lecture to read; the handout ships starters, tasks and checks, never a solution."""
 import importlib.util
 import re
 import subprocess
@@ -13,7 +13,7 @@ from helpers import REPO
 EXERCISES = REPO / "exercises"
 sys.path.insert(0, str(EXERCISES))  # as exercises/grade.py does: a check imports _grading
 NAMES = sorted(path.parent.name for path in EXERCISES.glob("*/check.py"))
-SHORTCUTS = sorted((REPO / "tests" / "exercise_shortcuts").glob("*__*.py"))
+SHORTCUTS = sorted((REPO / "tests" / "exercise_shortcuts").glob("*__*.diff"))
 
 
 def check_module(name):
@@ -54,10 +54,14 @@ def test_the_check_fails_on_the_untouched_starter_at_the_claim_it_declares(name)
 
 @pytest.mark.exercises
 @pytest.mark.parametrize("shortcut", SHORTCUTS, ids=[path.stem for path in SHORTCUTS])
-def test_a_forbidden_shortcut_fails_at_the_claim_its_docstring_names(shortcut):
+def test_a_forbidden_shortcut_fails_at_the_claim_its_first_line_names(shortcut, tmp_path):
     name = shortcut.stem.split("__")[0]
-    expected = re.search(r'^"""(.*)$', shortcut.read_text(), re.M).group(1).strip()
-    result = grade(name, shortcut)
+    expected = shortcut.read_text().splitlines()[0].strip()
+    taken = tmp_path / f"{shortcut.stem}.py"  # the solution, patched: a shortcut is written once, as its difference
+    patched = subprocess.run(["patch", "--quiet", "--output", taken, EXERCISES / name / "solution.py", shortcut],
+                             capture_output=True, text=True, timeout=30)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    result = grade(name, taken)
     assert result.returncode == 1, result.stdout
     assert first_failure(result.stdout) == expected, result.stdout
 
