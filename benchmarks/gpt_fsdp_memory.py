@@ -225,8 +225,10 @@ def table(raw):
              "batch is twice N=2's, and so the loss differs). A window of 64 bytes is 64 tokens (the port's tokens "
              "are bytes). The prediction counts everything at fp32: under --param-dtype bf16 its three gathered "
              "units would take 2 bytes a parameter, and it does not model that.\n",
-             "| configuration | N | predicted: held between steps | predicted: held + every gradient + 3 units | "
-             "measured peak | tokens/s / DDP's | last loss |", "|---|---|---|---|---|---|---|"]
+             "| configuration | N | predicted: held between steps | "
+             "predicted: held + every gradient (+ 3 units under FSDP2) | measured peak | tokens/s / DDP's | "
+             "last loss |",
+             "|---|---|---|---|---|---|---|"]
     for name, (_, _, counts) in CONFIGS.items():
         for nproc in counts:
             runs = [r for r in raw["runs"] if r["config"] == name and r["nproc"] == nproc]

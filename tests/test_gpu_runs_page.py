@@ -26,13 +26,15 @@ EXCLUDED = ("docs/gpu-runs/", "diffs/", "tests/test_gpu_runs_page.py")
 
 # a GPU word; not `make test-gpu` (a target's name) nor a path (docs/gpu-runs/, test_gpu.py)
 GPU = re.compile(r"(?<!test-)(?<![/_.])\b(?:GPUs?|CUDA|cuDNN|NCCL\w*|H200)\b", re.IGNORECASE)
-VERB = r"(?:run|ran|tested|verified|measured|checked)"
+VERB = r"(?:run|ran|tested|verified|measured|checked|tried|exercised)"
 STATUS = re.compile("|".join([
     # a perfect, with or without a negation: has run, have not been tested, has never been verified, has only run
     rf"\b(?:has|have|had)\s+(?:(?:not|never|only|yet|so far|once|already|now|ever)\s+)*(?:been\s+)?{VERB}\b",
     # has trained on one GPU, has passed on a GPU node (not "the ranks have trained on")
     r"\b(?:has|have|had)\s+(?:(?:not|never|only|once|already)\s+)*(?:trained|passed)\b[^.;]{0,40}?"
     r"\b(?:GPUs?|CUDA|H200)\b",
+    # passed on an H200, passed on one GPU (a result, whoever passed)
+    r"\bpassed\s+on\b[^.;]{0,30}?\b(?:GPUs?|CUDA|H200)\b",
     # have not been able to measure
     r"\bnot\s+(?:yet\s+)?been\s+able\s+to\b",
     # a past: was measured, were tested, was not checked (and "ran", below)
@@ -249,6 +251,9 @@ STALE = [  # sentences the repository had, each of which a later GPU run could m
     "05 builds on the meta device, so no GPU holds the whole model; but that has run only on this CPU.",
     "On GPUs NCCL runs beside the computation and usually hides more (not measured: no GPU was available).",
     "The preflight has passed on one GPU node.",
+    "It passed on an H200.",
+    "We never tried it on a GPU.",
+    "NCCL: not exercised here.",
 ]
 
 LEGITIMATE = [  # what the code does on a GPU, a pointer to the page, a finding with its source: not caught
