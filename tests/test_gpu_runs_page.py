@@ -2,16 +2,16 @@
 every run's folder. Every other page, lesson source, docstring and comment links to it instead of saying so itself,
 so that the next GPU run cannot leave a stale sentence behind.
 
-The detector reads every sentence of the repository's Markdown files (the lessons' .md sources too, and the
-comments in their code) and of its Python files' docstrings and comments, outside docs/gpu-runs/, .venv*, diffs/
-and this file (which quotes what it looks for). It flags a sentence that names a GPU (GPU, CUDA, cuDNN, NCCL, H200)
-and gives a run status, of whatever: a perfect of run, test, verify, measure or check ("has run", "have not been
-tested", "has trained on one GPU"), a past ("was measured"; "ran" within 60 characters of the GPU word), a
-negation ("not run", "never tested", "not yet"; not "does not run", which is what code does), "untested" or
-"unverified", or the reason once given ("no GPU machine was available", "these sessions had no GPU", "(no GPU)").
-What the code does on a GPU ("picks NCCL", "runs out of memory") is not flagged, nor a finding quoted with its
-source ("seen on the H200"), nor a pointer to the page: "what has run on a GPU" followed, within 6 words, by a
-link to it. Nothing is started: the files are read."""
+The detector reads every sentence of the repository's Markdown files (the lessons' .md sources too, and the comments
+in their code) and of its Python files' docstrings and comments, outside docs/gpu-runs/, .venv*, diffs/ and this
+file (which quotes what it looks for). It flags a sentence that names a GPU (GPU, CUDA, cuDNN, NCCL, H200) and gives
+a run status, of whatever: a perfect of run, test, verify, measure, check, try or exercise ("has run", "have not
+been tested", "has trained on one GPU"), "passed on" a GPU, a past ("was measured"; "ran" within 60 characters of
+the GPU word), a negation ("not run", "never tested", "not yet"; not "does not run", which is what code does),
+"untested", "unverified" or "untried", or the reason once given ("no GPU machine was available", "these sessions had
+no GPU", "(no GPU)"). What the code does on a GPU ("picks NCCL", "runs out of memory") is not flagged, nor a finding
+quoted with its source ("seen on the H200"), nor a pointer to the page: "what has run on a GPU" followed, within 6
+words, by a link to it. Nothing is started: the files are read."""
 import ast
 import io
 import re
@@ -34,7 +34,7 @@ STATUS = re.compile("|".join([
     r"\b(?:has|have|had)\s+(?:(?:not|never|only|once|already)\s+)*(?:trained|passed)\b[^.;]{0,40}?"
     r"\b(?:GPUs?|CUDA|H200)\b",
     # passed on an H200, passed on one GPU (a result, whoever passed)
-    r"\bpassed\s+on\b[^.;]{0,30}?\b(?:GPUs?|CUDA|H200)\b",
+    r"\bpassed\s+on\s+(?!to\b)[^.;]{0,30}?\b(?:GPUs?|CUDA|H200)\b",  # not "passed on to the GPU"
     # have not been able to measure
     r"\bnot\s+(?:yet\s+)?been\s+able\s+to\b",
     # a past: was measured, were tested, was not checked (and "ran", below)
@@ -257,6 +257,7 @@ STALE = [  # sentences the repository had, each of which a later GPU run could m
 ]
 
 LEGITIMATE = [  # what the code does on a GPU, a pointer to the page, a finding with its source: not caught
+    "The batch is passed on to the GPU copy of the model.",
     "Everything runs on a laptop CPU (gloo), and the same code chooses GPUs (NCCL) when PyTorch sees them.",
     "The CPU path is checked by the test suite on real processes, the GPU path far less (what has run on a GPU: "
     "[GPU runs](docs/gpu-runs/README.md)).",
