@@ -1,5 +1,6 @@
 """What every exercise's check.py uses: the claims' verdict lines, and processes that cannot hang."""
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -54,6 +55,15 @@ class Grade:
         """Claims that depend on a run that failed: each one fails, saying so once."""
         for text in texts:
             self.claim(text, False, observed=f"not checked: {why}")
+
+
+def load_learner(learner_file):
+    """The learner's file as a module, for the parts the task gives (its model, its data): its main() does not
+    run, for the file guards it with `if __name__ == "__main__"`."""
+    spec = importlib.util.spec_from_file_location("learner", learner_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def environment(**extra):

@@ -2,12 +2,11 @@
 --out) and one single-process reference computed here: the processes form one group, end with identical weights,
 read disjoint and complete shards in a new order every epoch, equal one process with the global batch, leave one
 checkpoint written by rank 0 that a plain model loads, and report the loss of the whole job."""
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
 
-from _grading import finish, python, start
+from _grading import finish, load_learner, python, start
 
 FILE = "train.py"
 LECTURE = "notebooks/01_mp_spawn.ipynb"
@@ -27,13 +26,6 @@ SECTION = "notebooks/01_mp_spawn.ipynb, section '{}'"
 WHAT_DDP_DOES, THE_DIFF = (SECTION.format(name) for name in (
     "2. What DDP does, and what the rest of the script must do", "3. The diff, hunk by hunk"))
 
-
-def load_learner(learner_file):
-    """The learner's file as a module (its __main__ part does not run): its build_model and make_dataset."""
-    spec = importlib.util.spec_from_file_location("learner", learner_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_process_with_the_global_batch(learner, torch):

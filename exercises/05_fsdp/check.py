@@ -1,13 +1,12 @@
 """Exercise 05_fsdp's claims: each rank holds about half of the parameters (its pieces); every rank gathers the same
 whole state dict; the 2-process sharded run's losses and final weights equal one process's with the same global
 batch, within float rounding."""
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
 
 import torch
-from _grading import finish, start, torchrun
+from _grading import finish, load_learner, start, torchrun
 
 FILE = "train.py"
 LECTURE = "notebooks/05_fsdp.ipynb"
@@ -28,12 +27,6 @@ SEE_LIVE = ("notebooks/05_fsdp.ipynb, section '3. Live, on 2 and 4 ranks: does t
             "computes?'")
 SEE_MISTAKES = "notebooks/05_fsdp.ipynb, section '5. The classic mistakes, run live'"
 
-
-def load_learner(learner_file):
-    spec = importlib.util.spec_from_file_location("learner_05", learner_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # main() does not run: the file guards it with __name__
-    return module
 
 
 def one_process(learner):

@@ -2,14 +2,13 @@
 still the token embedding's one parameter, and with ranks holding different numbers of targets the first step's
 gradient and every step's loss equal one process's mean over all the step's targets; a mean of each rank's mean,
 which the check computes too, is far off."""
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _grading import finish, start, torchrun
+from _grading import finish, load_learner, start, torchrun
 
 FILE = "train.py"
 LECTURE = "notebooks/shard_your_model.ipynb"
@@ -32,12 +31,6 @@ SEE_TIE = ("notebooks/shard_your_model.ipynb, section '4. The classic mistakes, 
 SEE_MEANS = ("notebooks/shard_your_model.ipynb, section '4. The classic mistakes, run live', part 'One rank's mean of "
              "means'")
 
-
-def load_learner(learner_file):
-    spec = importlib.util.spec_from_file_location("learner_09", learner_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # main() does not run: the file guards it with __name__
-    return module
 
 
 def loss_of(model, inputs, targets):
