@@ -1,6 +1,7 @@
 # The README's commands: `make demo` and `make test` (both set up .venv first when needed); `make test-lessons`
-# re-executes every lecture, `make test-root` runs the tests that need root, `make test-gpu` the GPU claims, and
-# `make test-oldest` the scripts on the oldest supported torch (docs/versions.md). docs/ci.md has their times.
+# re-executes every lecture, `make test-exercises` runs each exercise's check on its solution, starter and shortcuts,
+# `make test-root` runs the tests that need root, `make test-gpu` the GPU claims, and `make test-oldest` the scripts
+# on the oldest supported torch (docs/versions.md). docs/ci.md has their times. `make check` grades the exercises.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
