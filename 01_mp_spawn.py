@@ -19,16 +19,16 @@ import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
+# torchvision (CIFAR-10, image folders, models by name) is imported where it is used, not here: its import costs
+# each process about 2 s of CPU (it loads torch's compiler), and the built-in data and models need none of it
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import transforms
 
 
 def parse_args(argv=None):
@@ -67,10 +67,12 @@ def parse_args(argv=None):
         parser.error(f"--num-workers must be 0 or more, got {args.num_workers}")
     if not (0 < args.lr < float("inf") and 0 < args.timeout < float("inf")):
         parser.error(f"--lr and --timeout must be positive numbers, got {args.lr} and {args.timeout}")
-    if args.model != "cnn" and not re.fullmatch(r"wide(-[1-9][0-9]*)?", args.model) and args.model not in \
-            torchvision.models.list_models(torchvision.models):
-        parser.error(f"--model {args.model}: unknown; use 'cnn', 'wide' or a torchvision classification model, listed "
-                     "by python -c 'import torchvision; print(torchvision.models.list_models(torchvision.models))'")
+    if args.model != "cnn" and not re.fullmatch(r"wide(-[1-9][0-9]*)?", args.model):
+        import torchvision  # only here, for a model by name (see the imports)
+        if args.model not in torchvision.models.list_models(torchvision.models):
+            parser.error(f"--model {args.model}: unknown; use 'cnn', 'wide' or a torchvision classification model, "
+                         "listed by python -c 'import torchvision; "
+                         "print(torchvision.models.list_models(torchvision.models))'")
     if args.data == "cifar10" and not args.download and not os.path.isdir(f"{args.data_dir}/cifar-10-batches-py"):
         parser.error(f"--data cifar10: not found in {args.data_dir}/; add --download (needs internet)")
     if args.evaluate and not os.path.isfile(args.evaluate):
@@ -92,6 +94,8 @@ def check_inputs(args, world_size):
         sys.exit(f"error: {message}")
 
     num_classes, train_samples = 10, args.train_samples or 16_000  # the built-in data: any size, 10 classes
+    if args.data != "synthetic":
+        import torchvision  # only for real images (see the imports)
     if args.data == "cifar10":
         train_samples = min(50_000, args.train_samples or 50_000)
         cifar = torchvision.datasets.CIFAR10  # its files and their MD5s: a damaged one is named now, not mid-run
@@ -166,6 +170,8 @@ def build_datasets(args):
         train_set = SyntheticImages(args.train_samples or 16_000, args.seed)
         val_set = SyntheticImages(args.val_samples or 2_000, args.seed, first_index=10_000_000)  # held out
     else:
+        import torchvision  # only for real images (see the imports)
+        from torchvision import transforms
         to_tensor = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor(),
                                         transforms.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
         if args.data == "cifar10":
@@ -189,6 +195,7 @@ class UnreadableImage(Exception):
 
 
 def load_image(path):
+    import torchvision  # in each process that reads images (a loader's worker too); at once after its first time
     try:
         return torchvision.datasets.folder.default_loader(path)
     except OSError as error:  # a broken file found mid-training: name it, rather than a bare PIL traceback
@@ -216,6 +223,7 @@ def build_model(name, num_classes):
             return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
         return nn.Sequential(*block(3, 32), nn.MaxPool2d(2), *block(32, 64), nn.MaxPool2d(2), *block(64, 128),
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes))
+    import torchvision  # only for a model by name (see the imports)
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     # ResNets (and the like): keep 32x32 inputs from shrinking to 1x1
     if isinstance(getattr(model, "conv1", None), nn.Conv2d) and hasattr(model, "maxpool"):
@@ -386,8 +394,9 @@ def main(rank, world_size, args):  # mp.spawn runs this in every new process, wi
     # loader workers start from a fork server, a clean process started once, not by forking this one: this process
     # runs other threads (torch's, gloo's, the loaders'), and one may hold a lock at the fork that the new worker
     # then waits for forever (pytorch/pytorch#130610; Python 3.14 makes it the default on Linux). It imports torch
-    # once, so that each worker starts in milliseconds and shares that memory rather than importing torch anew
-    multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    # once (torchvision too, for real images), so that each worker starts in milliseconds and shares that memory
+    # rather than importing them anew
+    multiprocessing.set_forkserver_preload(["torch"] if args.data == "synthetic" else ["torch", "torchvision"])
     loader_options = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                           pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
                           multiprocessing_context="forkserver" if args.num_workers > 0 else None)

@@ -181,9 +181,9 @@ def run_group(worker, world_size, *args, timeout=120, collective_timeout=60):
     return results
 
 
-# Modules every group process needs, imported once by the fork server (the scripts import torchvision, and a
-# first DDP or FSDP step imports torch._dynamo through it: seconds per process, were each a fresh interpreter).
-FORK_SERVER_PRELOAD = ["torch", "torchvision"]
+# Modules every group process needs, imported once by the fork server (DDP's constructor and FSDP2 import
+# torch._dynamo: over a second of CPU per process, were each a fresh interpreter).
+FORK_SERVER_PRELOAD = ["torch", "torch._dynamo"]
 
 
 def start_group(world_size, port, results_dir, worker, args, collective_timeout):

@@ -1,8 +1,8 @@
 """Measures what the loader workers' fork server costs (docs/versions.md, "The cure"): the time from a loader's
 first `iter()` to its first batch, and the private memory of each worker and of the fork server, with and without
 `multiprocessing.set_forkserver_preload`, against workers forked from the process itself. Each measurement is a
-fresh Python that imports what a numbered script imports (torch and torchvision; step 05's also DCP and FSDP), as
-the scripts' loaders do: 2 workers, a tiny dataset. A second loader then starts from the same fork server.
+fresh Python that imports what a numbered script imports on real images (torch and torchvision; step 05's also DCP
+and FSDP), as the scripts' loaders do: 2 workers, a tiny dataset. A second loader then starts from the same fork server.
 
     .venv/bin/python tools/forkserver_cost.py > tools/forkserver_cost.md     # about 2 minutes on 2 cores
 
@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-import torchvision  # noqa: F401  (imported as the scripts import it: the workers run these imports again)
+import torchvision  # noqa: F401  (as the scripts import it for real images: the workers run these imports again)
 
 STEP05 = "--step05" in sys.argv
 if STEP05:
