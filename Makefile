@@ -49,8 +49,9 @@ check: setup
 check-setup:
 	@$(PYTHON) exercises/check_setup.py
 
-# Every claim of the scripts, the port, the tools, the Slurm files and the preflight, and the fast checks of the
-# committed notebooks: everything but the lectures' clean-kernel executions, which `make test-lessons` runs.
+# Every claim of the scripts, the port, the tools, the Slurm files and the preflight that needs neither root nor a
+# GPU (those tests skip, saying why), and the fast checks of the committed notebooks: everything but the lectures'
+# clean-kernel executions, which `make test-lessons` runs.
 test: setup
 	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m "not notebooks and not exercises"
 

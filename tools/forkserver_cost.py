@@ -1,10 +1,11 @@
 """Measures what the loader workers' fork server costs (docs/versions.md, "The cure"): the time from a loader's
 first `iter()` to its first batch, and the private memory of each worker and of the fork server, with and without
 `multiprocessing.set_forkserver_preload`, against workers forked from the process itself. Each measurement is a
-fresh Python that imports what a numbered script imports on real images (torch and torchvision; step 05's also DCP
-and FSDP), as the scripts' loaders do: 2 workers, a tiny dataset. A second loader then starts from the same fork server.
+fresh Python that imports what a numbered script imports (torch; torchvision too on real images, as the rows say;
+step 05's also DCP and FSDP), as the scripts' loaders do: 2 workers, a tiny dataset of random tensors (the imports are
+what is measured, not the data). A second loader then starts from the same fork server.
 
-    .venv/bin/python tools/forkserver_cost.py > tools/forkserver_cost.md     # about 2 minutes on 2 cores
+    .venv/bin/python tools/forkserver_cost.py > tools/forkserver_cost.md     # about 3 minutes on 2 cores
 
 Private memory is what a process does not share with another (smaps_rollup's Private_Clean + Private_Dirty):
 the cost of one more process. A worker's is read while it runs; the fork server's once its workers have ended
@@ -19,21 +20,32 @@ import sys
 import time
 
 import torch
-import torchvision  # noqa: F401  (as the scripts import it for real images: the workers run these imports again)
 
+REAL_IMAGES = "--real-images" in sys.argv
+if REAL_IMAGES:  # as the scripts import it for real images: the workers run these imports again
+    import torchvision  # noqa: F401
 STEP05 = "--step05" in sys.argv
 if STEP05:
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
-# (label, start method, modules the fork server preloads, the step-05 imports); None: Python's default preload
+# (label, start method, modules the fork server preloads, the step-05 imports, torchvision imported as on real
+# images); None: Python's default preload
+STEP05_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
 CASES = [
-    ("fork (the start method before the cure)", "fork", None, False),
-    ("fork server, no preload (CPython 3.11's default: the script is not preloaded)", "forkserver", None, False),
-    ("fork server, preload torch and torchvision (steps 00-04)", "forkserver", ["torch", "torchvision"], False),
-    ("step 05's imports, preload torch and torchvision only", "forkserver", ["torch", "torchvision"], True),
-    ("step 05's imports, preload also DCP and FSDP (step 05)", "forkserver",
-     ["torch", "torchvision", "torch.distributed.checkpoint", "torch.distributed.fsdp"], True),
+    ("fork (the start method before the cure), real images", "fork", None, False, True),
+    ("fork server, no preload (CPython 3.11's default: the script is not preloaded), real images", "forkserver", None,
+     False, True),
+    ("fork server, preload torch and torchvision (steps 00-04, real images)", "forkserver", ["torch", "torchvision"],
+     False, True),
+    ("step 05's imports, preload torch and torchvision only, real images", "forkserver", ["torch", "torchvision"],
+     True, True),
+    ("step 05's imports, preload also DCP and FSDP (step 05, real images)", "forkserver",
+     [*STEP05_PRELOAD, "torchvision"], True, True),
+    ("fork server, no preload, the built-in data (torch alone)", "forkserver", None, False, False),
+    ("fork server, preload torch (steps 00-04, the built-in data)", "forkserver", ["torch"], False, False),
+    ("step 05's imports, preload torch, DCP and FSDP (step 05, the built-in data)", "forkserver", STEP05_PRELOAD,
+     True, False),
 ]
 REPEATS = 3
 
@@ -84,10 +96,11 @@ def main():
     print("| case | first loader: to its first batch | a later loader | private MB per worker | "
           "the fork server's private MB |")
     print("|---|---|---|---|---|")
-    for label, method, preload, step05 in CASES:
+    for label, method, preload, step05, real_images in CASES:
         runs = []
         for _ in range(REPEATS):
-            command = [sys.executable, __file__, "--one", json.dumps([method, preload])] + ["--step05"] * step05
+            command = [sys.executable, __file__, "--one", json.dumps([method, preload]), *["--step05"] * step05,
+                       *["--real-images"] * real_images]
             done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
             runs.append(json.loads(done.stdout.splitlines()[-1]))
         servers = [run["server_mb"] for run in runs if run["server_mb"] is not None]

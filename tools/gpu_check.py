@@ -18,8 +18,8 @@ tests, 362 s between them: each launch pays several seconds of start-up, the res
 facts are stopped at 60 s; and the benchmark's limit is shortened where needed so that it, its 20 s included, ends 9.5
 minutes after the start. So the whole check ends within 10 minutes whatever happens (a lent machine's one command may
 run 10); a stopped part still reports what it had.
-It needs torch and pytest; torchvision for the numbered scripts, and numpy (which torchvision requires) for the
-determinism test; not psutil, py-spy, pytest-timeout or pytest-xdist.
+It needs torch, pytest and numpy (the determinism test); not torchvision (the runs use the built-in data and models),
+psutil, py-spy, pytest-timeout or pytest-xdist.
 """
 import argparse
 import contextlib
