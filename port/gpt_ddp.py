@@ -64,6 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--save-every-steps", type=int, default=200, help="optimizer steps between snapshots")
     parser.add_argument("--metrics", default=None, metavar="PATH", help="append one JSON line per step here")
     parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to sample at the end")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="one device's dense peak, TFLOP/s (a GPU's "
+                        "datasheet figure; a CPU's: benchmarks/cpu_matmul_peak.py): the log adds the model FLOPs "
+                        "utilisation")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a collective waits for a missing "
                         "process before it fails")  # step 01
     parser.add_argument("--stop-after-steps", type=int, default=None, help="stop after this step as if "
@@ -82,6 +85,8 @@ def parse_args(argv=None):
                      f"{args.dropout}")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
+        parser.error(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
     if not os.path.isfile(args.data):
         parser.error(f"--data {args.data}: " + ("a folder, not a text file" if os.path.isdir(args.data) else
                                                 "no such file"))
@@ -174,6 +179,16 @@ class GPT(nn.Module):
     def forward(self, tokens):
         x = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
         return self.head(self.ln(self.blocks(F.dropout(x, self.dropout, self.training))))
+
+
+def flops_per_token(model, args):
+    """The model FLOPs of one training step per token: 6 per weight (a multiply and an add each, once forward and
+    twice backward: the gradients of the inputs and of the weights), the position table left out (looked up, not
+    multiplied) and the tied token matrix counted once (as the output layer), plus attention's two matmuls over
+    every earlier and later position, 12 x layers x context x width (the common count, which includes the half the
+    causal mask skips). Recomputed activations are not counted: model FLOPs, not the hardware's."""
+    weights = sum(p.numel() for name, p in model.named_parameters() if "position" not in name)
+    return 6 * weights + 12 * args.n_layer * args.block_size * args.n_embd
 
 
 def lr_factor(step, args):
@@ -374,6 +389,7 @@ def main(args):
     log(f"GPT of {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters on {device}: "
         f"{len(train_tokens)} training / {len(val_tokens)} validation bytes, {global_batch} windows of "
         f"{args.block_size} bytes per optimizer step, warm-up {args.warmup_steps} steps; {world_size} processes")
+    model_flops_per_token = flops_per_token(raw_model, args)  # the whole model's, not this rank's pieces
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
         step_loss = torch.zeros((), device=device)
@@ -419,6 +435,9 @@ def main(args):
         done, seconds = step + 1, time.perf_counter() - timer
         metrics = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": global_batch * args.block_size / seconds}
+        if args.peak_tflops:  # the model FLOPs done per second, over what the devices could do at their peak
+            metrics["mfu"] = (metrics["tokens_per_s"] * model_flops_per_token  # step 01: every device's peak
+                              / (args.peak_tflops * 1e12 * world_size))
         timer = time.perf_counter()
         if done % args.eval_every == 0 or done == args.steps:
             metrics["val_loss"], metrics["val_median_window_loss"] = evaluate(model, val_tokens, args, device)
@@ -426,7 +445,8 @@ def main(args):
                 f"{math.exp(metrics['val_loss']):.2f}  median window loss {metrics['val_median_window_loss']:.4f}")
         if done % args.log_every == 0 or done == args.steps:
             log(f"step {done}/{args.steps}  loss {loss_value:.4f}  lr {metrics['lr']:.2e}  grad norm "
-                f"{grad_norm:.3f}  {metrics['tokens_per_s']:.0f} tokens/s")
+                f"{grad_norm:.3f}  {metrics['tokens_per_s']:.0f} tokens/s"
+                + (f"  MFU {metrics['mfu']:.1%}" if args.peak_tflops else ""))
         if args.metrics and rank == 0:  # step 01
             with open(args.metrics, "a") as f:
                 f.write(json.dumps(metrics) + "\n")

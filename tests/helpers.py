@@ -181,8 +181,8 @@ def run_group(worker, world_size, *args, timeout=120, collective_timeout=60):
     return results
 
 
-# Modules most group processes need, imported once by the fork server (DDP's constructor and FSDP2 import
-# torch._dynamo: over a second of CPU per process, were each a fresh interpreter).
+# Modules most group processes need, imported once by the fork server (an optimizer's constructor, DDP's and
+# FSDP2's import torch._dynamo: over a second of CPU per process, were each a fresh interpreter).
 FORK_SERVER_PRELOAD = ["torch", "torch._dynamo"]
 
 

@@ -41,6 +41,7 @@ BATCH = 8  # the global batch: 8 windows in one process; in each of two, 2 micro
 PORTED_BATCH = ["--batch-size", BATCH // 4, "--grad-accum", 2]
 # fp32 on CPU: the two runs differ only in the order of additions (see test_two_processes_...), ~1e-7 relative
 RTOL = 1e-4
+PEAK_TFLOPS = "0.5"  # any peak: the runs below that log the model FLOPs utilisation are checked against it
 
 
 WORDS = ("the model learns every byte of this text while two processes share each batch and agree on every "
@@ -77,15 +78,15 @@ def runs(text, tmp_path_factory):
         checkpoint, metrics = folder / (name if "sdp" in name else f"{name}.pt"), folder / f"{name}.jsonl"
         common = [*TINY, "--data", text, "--checkpoint", checkpoint, "--metrics", metrics]
         if name == "single":
-            return [[PYTHON, SINGLE, *common, "--batch-size", BATCH]], metrics, checkpoint
+            return [[PYTHON, SINGLE, *common, "--batch-size", BATCH, "--peak-tflops", PEAK_TFLOPS]], metrics, checkpoint
         if name == "ported":
             return [torchrun(2, PORTED, *common, *PORTED_BATCH)], metrics, checkpoint
         if name == "fsdp":  # gpt_fsdp.py (a snapshot folder, and at the end the exported checkpoint.single.pt)
             return [torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, checkpoint
         if name.startswith("padded"):  # the last 0-8 targets of each window ignored: 2 processes, or 1 with the whole
             batch = PORTED_BATCH if name == "padded" else ["--batch-size", BATCH // 2, "--grad-accum", 2]  # batch
-            return [torchrun(2 if name == "padded" else 1, SHARDED, *common, *batch, "--pad-up-to", 8)], metrics, \
-                checkpoint
+            return [torchrun(2 if name == "padded" else 1, SHARDED, *common, *batch, "--pad-up-to", 8,
+                             "--peak-tflops", PEAK_TFLOPS)], metrics, checkpoint
         if name == "hsdp":  # 4 processes, 2 copies of 2 pieces, a quarter of the batch each; resumed by 1-D FSDP2 on 2
             stopped = torchrun(4, SHARDED, *common, "--replicas", 2, "--batch-size", 1, "--grad-accum", 2)
             return [[*stopped, "--stop-after-steps", "3"], torchrun(2, SHARDED, *common, *PORTED_BATCH)], metrics, \
@@ -390,6 +391,53 @@ def test_a_loss_over_the_steps_count_of_targets_gives_two_ranks_with_different_c
     assert float(rank_lines(two[0])[0][0]) == pytest.approx(float(rank_lines(one[0])[0][0]), rel=RTOL)
 
 
+# --- the model FLOPs utilisation -------------------------------------------------------------------------------
+
+def test_the_model_flops_per_token_are_the_matmuls_of_one_training_step():
+    """flops_per_token (the same function in the three port scripts) against torch's FlopCounterMode over one
+    training step's forward and backward. The count differs from the formula by exactly two known terms: the formula
+    counts 6 FLOPs for each bias and LayerNorm gain too (one add, not a matmul: the counter counts none), and SDPA's
+    backward on the CPU computes the attention scores QK^T again (2 x layers x context x width per token, which model
+    FLOPs leave out). At the default size (4 layers, width 128, context 64) they nearly cancel: the count is 0.4 %
+    above the formula."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    scripts = [load_script(name) for name in (SINGLE, PORTED, SHARDED)]
+    sizes = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16"]
+    for script in scripts:
+        args = script.parse_args(sizes)
+        torch.manual_seed(0)
+        model, tokens = script.GPT(16, 2, 2, 32, 0.0), torch.randint(0, 256, (3, 17))
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        adds = sum(p.numel() for p in model.parameters() if p.dim() == 1)  # biases, LayerNorm gains
+        recomputed_scores = 2 * args.n_layer * args.block_size * args.n_embd
+        assert counter.get_total_flops() == 3 * 16 * (script.flops_per_token(model, args) - 6 * adds
+                                                      + recomputed_scores), script.__name__
+    default = scripts[0].parse_args([])
+    model = scripts[0].GPT(default.block_size, default.n_layer, default.n_head, default.n_embd, 0.0)
+    formula = scripts[0].flops_per_token(model, default)
+    count_minus_formula = (2 * default.n_layer * default.block_size * default.n_embd
+                           - 6 * sum(p.numel() for p in model.parameters() if p.dim() == 1))
+    assert round(count_minus_formula / formula * 100, 1) == 0.4
+
+
+@pytest.mark.launch
+def test_the_logged_mfu_is_the_model_flops_per_second_over_every_devices_peak(runs, text):
+    """--peak-tflops: each step's mfu = tokens/s x flops_per_token / (peak x processes), in one process (gpt_single.py)
+    and in two (gpt_fsdp.py, its tokens/s the whole step's): the runs of the tests above, which pass --peak-tflops."""
+    script = load_script(SINGLE)
+    args = script.parse_args([*TINY, "--data", str(text)])
+    per_token = script.flops_per_token(script.GPT(args.block_size, args.n_layer, args.n_head, args.n_embd, 0.0), args)
+    for name, processes in (("single", 1), ("padded", 2), ("padded-one", 1)):
+        output, metrics, _ = runs(name)
+        assert [m["step"] for m in metrics] == list(range(1, 7)) and "MFU " in output
+        for m in metrics:
+            assert m["mfu"] == pytest.approx(m["tokens_per_s"] * per_token / (float(PEAK_TFLOPS) * 1e12 * processes),
+                                             rel=1e-12), (name, m)
+
+
 def test_a_mean_of_each_ranks_mean_is_not_the_one_process_gradient_when_the_counts_differ():
     """The same arithmetic in one process, the ranks' gradients averaged as DDP and FSDP2 average them: each rank's
     sum over the count of all targets gives the gradient of one mean over the whole batch; each rank's own mean
@@ -425,6 +473,7 @@ def test_refused_flags_say_why_in_one_line(capsys, text, monkeypatch):
     for script in (SINGLE, PORTED, SHARDED):
         for flags, said in ((["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
                             (["--lr", "nan"], "--lr"), (["--steps", "0"], "--steps must be at least 1"),
+                            (["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
                             (["--data", "missing.txt"], "--data missing.txt: no such file"),
                             (["--data", str(REPO / "port")], f"--data {REPO / 'port'}: a folder, not a text file")):
             with pytest.raises(SystemExit):

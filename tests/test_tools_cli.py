@@ -1,6 +1,7 @@
-"""The instructor's tools answer --help and refuse a wrong command line without doing anything, and the preflight
-runs where os has no sched_getaffinity (macOS). Each test takes about a second: a Python that imports nbformat,
-or the preflight imported here."""
+"""The instructor's tools answer --help and refuse a wrong command line without doing anything, the preflight
+runs where os has no sched_getaffinity (macOS), and the CPU's matmul peak prints what the port takes. Each takes a
+second or a few: a Python that imports nbformat or torch, or the preflight imported here."""
+import re
 import subprocess
 
 import pytest
@@ -44,3 +45,15 @@ def test_preflight_takes_every_cpu_where_there_is_no_sched_getaffinity(monkeypat
     facts = preflight.local_facts({"rank": 0, "local_rank": 0, "node": 0, "local_world_size": 1,
                                    "master_addr": "127.0.0.1"})
     assert (facts["affinity"], facts["affinity_count"]) == ("0-2", 3)
+
+
+@pytest.mark.launch
+def test_cpu_matmul_peak_prints_the_figure_the_port_takes_as_its_peak():
+    """benchmarks/cpu_matmul_peak.py: a measured rate, its spread, and the flag to give the port (whose MFU it
+    becomes: tests/test_port.py)."""
+    done = tool("benchmarks/cpu_matmul_peak.py", "--threads", "1", "--size", "128", "--iters", "2", "--repeats", "3")
+    assert done.returncode == 0, done.stderr
+    line = (r"fp32 matmul 128x128, 1 thread\(s\): median ([\d.]+) TFLOP/s \(min ([\d.]+), max ([\d.]+), 3 repeats\): "
+            r"--peak-tflops ([\d.]+)\n")
+    median, low, high, peak = re.fullmatch(line, done.stdout).groups()
+    assert 0 < float(low) <= float(median) <= float(high) and peak == median
