@@ -21,8 +21,8 @@ from contextlib import nullcontext
 from datetime import timedelta
 
 # torchvision (CIFAR-10, image folders, models by name) is imported where it is used, not here: its import takes
-# 1.5 to 2 s of CPU (it loads torch's compiler, as a first optimizer does), and the built-in data and models need
-# none of it
+# about 1 to 2 s of CPU (it loads torch's compiler, as a first optimizer does), and the built-in data and models
+# need none of it
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -36,8 +36,8 @@ from datetime import timedelta
 from itertools import chain
 
 # torchvision (CIFAR-10, image folders, models by name) is imported where it is used, not here: its import takes
-# 1.5 to 2 s of CPU (it loads torch's compiler, as a first optimizer does), and the built-in data and models need
-# none of it
+# about 1 to 2 s of CPU (it loads torch's compiler, as a first optimizer does), and the built-in data and models
+# need none of it
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

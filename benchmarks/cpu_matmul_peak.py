@@ -6,9 +6,9 @@ to a theoretical bound.
     .venv/bin/python benchmarks/cpu_matmul_peak.py                 # this process's threads (all cores)
     .venv/bin/python benchmarks/cpu_matmul_peak.py --threads 1     # what one of 2 ranks on 2 cores gets
 
-Each repeat times --iters matmuls of two --size x --size matrices (2 x size^3 FLOPs each) after one untimed; the line
-gives the median of the repeats, with their min and max: give the median to --peak-tflops, and read the spread
-before trusting a second figure (this machine may be shared).
+Each repeat times --iters matmuls of two --size x --size matrices (2 x size^3 FLOPs each), after one untimed
+matmul; the line gives the median of the repeats, with their min and max: give the median to --peak-tflops, and
+read the spread before trusting a second figure (this machine may be shared).
 """
 import argparse
 import statistics

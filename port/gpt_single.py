@@ -174,7 +174,8 @@ class GPT(nn.Module):
 
 def flops_per_token(model, args):
     """The model FLOPs of one training step per token: 6 per weight (a multiply and an add each, once forward and
-    twice backward: the gradients of the inputs and of the weights), the position table left out (looked up, not
+    twice backward: the gradients of the inputs and of the weights; biases and LayerNorm parameters counted alike, as
+    the usual 6N does), the position table left out (looked up, not
     multiplied) and the tied token matrix counted once (as the output layer), plus attention's two matmuls over
     every earlier and later position, 12 x layers x context x width (the common count, which includes the half the
     causal mask skips). Recomputed activations are not counted: model FLOPs, not the hardware's."""

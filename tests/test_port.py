@@ -396,10 +396,10 @@ def test_a_loss_over_the_steps_count_of_targets_gives_two_ranks_with_different_c
 def test_the_model_flops_per_token_are_the_matmuls_of_one_training_step():
     """flops_per_token (the same function in the three port scripts) against torch's FlopCounterMode over one
     training step's forward and backward. The count differs from the formula by exactly two known terms: the formula
-    counts 6 FLOPs for each bias and LayerNorm gain too (one add, not a matmul: the counter counts none), and SDPA's
-    backward on the CPU computes the attention scores QK^T again (2 x layers x context x width per token, which model
-    FLOPs leave out). At the default size (4 layers, width 128, context 64) they nearly cancel: the count is 0.4 %
-    above the formula."""
+    counts 6 FLOPs for each bias and LayerNorm parameter too (an add or a multiply, not a matmul: the counter counts
+    none), and the counter counts SDPA's backward as computing the attention scores QK^T again (2 x layers x context x
+    width per token, which model FLOPs leave out). At the default size (4 layers, width 128, context 64) they partly
+    cancel: the count is 0.4 % above the formula."""
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
