@@ -1,6 +1,6 @@
 """The instructor's tools answer --help and refuse a wrong command line without doing anything, the preflight
 runs where os has no sched_getaffinity (macOS), and the CPU's matmul peak prints what the port takes. Each takes a
-second or a few: a Python that imports nbformat or torch, or the preflight imported here."""
+second or a few: a Python that imports nbformat, or the preflight and the matmul peak run here."""
 import re
 import subprocess
 
@@ -47,13 +47,19 @@ def test_preflight_takes_every_cpu_where_there_is_no_sched_getaffinity(monkeypat
     assert (facts["affinity"], facts["affinity_count"]) == ("0-2", 3)
 
 
-@pytest.mark.launch
-def test_cpu_matmul_peak_prints_the_figure_the_port_takes_as_its_peak():
+def test_cpu_matmul_peak_prints_the_figure_the_port_takes_as_its_peak(capsys, monkeypatch):
     """benchmarks/cpu_matmul_peak.py: a measured rate, its spread, and the flag to give the port (whose MFU it
-    becomes: tests/test_port.py)."""
-    done = tool("benchmarks/cpu_matmul_peak.py", "--threads", "1", "--size", "128", "--iters", "2", "--repeats", "3")
-    assert done.returncode == 0, done.stderr
+    becomes: tests/test_port.py). In this process: torch is imported here already."""
+    import torch
+
+    monkeypatch.setattr("sys.argv", ["cpu_matmul_peak.py", "--threads", "1", "--size", "128", "--iters", "2",
+                                     "--repeats", "3"])
+    threads = torch.get_num_threads()
+    try:
+        load_script("benchmarks/cpu_matmul_peak.py").main()
+    finally:
+        torch.set_num_threads(threads)
     line = (r"fp32 matmul 128x128, 1 thread\(s\): median ([\d.]+) TFLOP/s \(min ([\d.]+), max ([\d.]+), 3 repeats\): "
             r"--peak-tflops ([\d.]+)\n")
-    median, low, high, peak = re.fullmatch(line, done.stdout).groups()
+    median, low, high, peak = re.fullmatch(line, capsys.readouterr().out).groups()
     assert 0 < float(low) <= float(median) <= float(high) and peak == median
