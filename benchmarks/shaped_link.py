@@ -99,7 +99,7 @@ def measure(models=("cnn", "mlp"), links=None, knobs=None, repeats=3, seconds=4.
             codes = [agent.wait() for agent in agents]
             if any(codes):
                 other = (logs / f"{hosts[1]}.log").read_text().splitlines()
-                raise RuntimeError(f"the worker failed (exit {codes}):\n" + "\n".join(lines[-25:] + other[-25:]))
+                raise RuntimeError(f"the worker failed (exit {codes}):\n" + "\n".join(lines[-60:] + other[-60:]))
         finally:
             if agents:
                 deadline.cancel()
