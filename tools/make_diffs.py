@@ -1,6 +1,7 @@
 """Writes diffs/NN_name.diff: each numbered script against the one before it, the tutorial's lessons; and
 diffs/port_gpt.diff: port/gpt_single.py against port/gpt_ddp.py, the ladder's steps applied to another model; and
-diffs/port_gpt_fsdp.diff: port/gpt_ddp.py against port/gpt_fsdp.py, step 05 (FSDP2) applied to it.
+diffs/port_gpt_fsdp.diff: port/gpt_ddp.py against port/gpt_fsdp.py, step 05 (FSDP2) applied to it; and
+diffs/port_gpt_stream.diff: port/gpt_ddp.py against port/gpt_stream.py, its data read as a stream of shard files.
 
     python tools/make_diffs.py            # regenerate diffs/
     python tools/make_diffs.py --check    # fail if diffs/ is stale or a step is over its budget (CI)
@@ -54,6 +55,11 @@ PAIRS = {
     # 209: --compile, each block compiled in place before fully_shard (its flag 3, the call 2, the docstring 1, the
     # first log line 1)
     ("port/gpt_ddp.py", "port/gpt_fsdp.py"): ("port_gpt_fsdp.diff", 209),
+    # 119: the training windows read from shard files by loader workers, each added statement saying "stream:": the
+    # docstring and imports 16, the folder and --num-workers flags and their refusals 12, the folder's sizes, held-out
+    # bytes and digest, the stream's order from the sizes alone and the IterableDataset split by rank and worker 76,
+    # the loader made and read 8, the first log line and two messages 6, gc before leaving 1
+    ("port/gpt_ddp.py", "port/gpt_stream.py"): ("port_gpt_stream.diff", 119),
 }
 
 

@@ -1,0 +1,155 @@
+"""port/gpt_stream.py: the port reading its training windows from shard files keeps its promises. The stream holds
+every window of every shard once per epoch; split by rank and by loader worker it hands each rank exactly its
+share, in order, and a stream started at a position hands out what the uninterrupted one did from there (bitwise).
+Launched: two ranks cross an epoch whose window count the global batch does not divide and end together; a run
+stopped mid-way and resumed, with another number of loader workers, ends on the bits of the uninterrupted one.
+port/make_shards.py cuts a text into the checked-in shards without losing or adding a byte.
+
+Tiny settings: shards the tests make (port/make_shards.py applied to test_port's text), a one-block model."""
+import argparse
+import multiprocessing
+import re
+
+import pytest
+import torch
+from helpers import REPO, load_script, run_ok, torchrun
+from test_port import PORTED_BATCH, TINY, make_text, rank_lines
+
+STREAM = "port/gpt_stream.py"
+BLOCK = 16  # TINY's --block-size
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """make_shards.py's cut of test_port's text into 5 shards (of uneven sizes), and a second folder of 3 tiny
+    shards of 28 windows in all, with the same held-out part: 6 steps of a global batch of 8 cross an epoch."""
+    folder = tmp_path_factory.mktemp("stream")
+    text = make_text(folder / "text.txt")
+    load_script("port/make_shards.py").main([str(text), "--out", str(folder / "shards"), "--shards", "5"])
+    tiny = folder / "tiny"
+    tiny.mkdir()
+    for k, size in enumerate((BLOCK + 4, BLOCK + 9, BLOCK + 15)):
+        (tiny / f"train_{k:05d}.bin").write_bytes(text.read_bytes()[1000 * k:][:size])
+    (tiny / "val.bin").write_bytes((folder / "shards" / "val.bin").read_bytes())
+    return folder / "shards", tiny
+
+
+def read_windows(stream, folder, indices):
+    """What the windows at these stream indices hold, read from the files by the test itself: (inputs, targets)."""
+    shards = sorted(folder.glob("train_*.bin"))
+    counts = tuple(path.stat().st_size - BLOCK for path in shards)
+    rows = []
+    for index in indices:
+        shard, start = stream.window_at(index, counts, 0)
+        rows.append(list(shards[shard].read_bytes()[start:start + BLOCK + 1]))
+    batch = torch.tensor(rows)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def test_the_stream_holds_every_window_once_per_epoch_in_an_order_that_changes_each_epoch(shards):
+    stream = load_script(STREAM)
+    sizes = [path.stat().st_size for path in sorted(shards[0].glob("train_*.bin"))]
+    counts = tuple(size - BLOCK for size in sizes)
+    assert len(set(sizes)) == len(sizes)  # uneven shards
+    every = sorted((shard, start) for shard, count in enumerate(counts) for start in range(count))
+    epochs = [[stream.window_at(index, counts, 0) for index in range(epoch * len(every), (epoch + 1) * len(every))]
+              for epoch in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == every
+    assert epochs[0] != epochs[1]
+
+
+def test_each_rank_and_loader_worker_reads_its_share_in_order_and_a_stream_resumed_at_a_position_reads_the_rest(
+        shards):
+    """Two ranks, each with a DataLoader of two workers (forked here; the script's fork server starts them another
+    way, the split is the same): rank r's micro-batch j is windows j x 6 + r, j x 6 + r + 2, j x 6 + r + 4 of the
+    stream (batch 3 per rank), bitwise, across the epoch's end; a stream made at the position of micro-batch 5
+    continues it exactly."""
+    stream, folder = load_script(STREAM), shards[0]
+    args = argparse.Namespace(batch_size=3, block_size=BLOCK, seed=0)
+    paths = [str(path) for path in sorted(folder.glob("train_*.bin"))]
+    sizes = [(folder / path).stat().st_size for path in paths]
+    micro_batches = -(-sum(size - BLOCK for size in sizes) // 6) + 2  # one epoch and then some
+    fork = multiprocessing.get_context("fork")
+
+    def loaded(rank, position, count):
+        loader = torch.utils.data.DataLoader(stream.ShardStream(paths, sizes, args, position, rank, 2),
+                                             batch_size=None, num_workers=2, multiprocessing_context=fork)
+        batches = iter(loader)
+        return [next(batches) for _ in range(count)]
+
+    for rank in range(2):
+        got = loaded(rank, 0, micro_batches)
+        for j, (inputs, targets) in enumerate(got):
+            expected = read_windows(stream, folder, range(6 * j + rank, 6 * (j + 1), 2))
+            assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1]), (rank, j)
+        resumed = loaded(rank, 5 * 6, micro_batches - 5)
+        assert all(torch.equal(a, b) for old, new in zip(got[5:], resumed, strict=True)
+                   for a, b in zip(old, new, strict=True))
+
+
+def test_make_shards_cuts_a_text_into_shards_and_a_held_out_part_without_losing_a_byte(tmp_path):
+    """And the checked-in shards are its cut of the built-in text: 90 % in 8 training shards, each but the last
+    ending at a line's end, the last 10 % (gpt_ddp.py's held-out bytes) in val.bin."""
+    text = (REPO / "port/data/ddp_steps_prose.txt").read_bytes()
+    load_script("port/make_shards.py").main(["--out", str(tmp_path)])
+    made = sorted(tmp_path.iterdir())
+    assert [path.name for path in made] == [*(f"train_{k:05d}.bin" for k in range(8)), "val.bin"]
+    assert b"".join(path.read_bytes() for path in made) == text
+    assert (tmp_path / "val.bin").read_bytes() == text[len(text) * 9 // 10:]
+    assert all(path.read_bytes().endswith(b"\n") for path in made[:-2])
+    for path in made:
+        assert (REPO / "port/data/shards" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize("case", ["no folder", "a file", "no val.bin", "too few windows"])
+def test_a_missing_or_too_small_shard_folder_is_refused_in_one_line(shards, tmp_path, case, capsys):
+    stream = load_script(STREAM)
+    if case in ("no folder", "a file"):
+        path = tmp_path / "shards" if case == "no folder" else shards[0] / "train_00000.bin"
+        with pytest.raises(SystemExit):
+            stream.parse_args(["--data", str(path)])
+        said = "no such folder" if case == "no folder" else "a file, not a folder of shards"
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"--data {path}: {said}" + (
+            "" if case == "no folder" else " (port/make_shards.py makes one from a text)"))
+        return
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "train_00000.bin").write_bytes(b"x" * (BLOCK + 7))
+    if case == "no val.bin":
+        match = f"^error: --data {folder}: No such file or directory: {folder / 'val.bin'}$"
+    else:
+        (folder / "val.bin").write_bytes(b"y" * 100)
+        match = (f"^error: --data {folder}: 1 train_\\*.bin shards with 7 windows of --block-size 16 and 100 held-out "
+                 "bytes are too few for a global batch of 8 windows")
+    with pytest.raises(SystemExit, match=match):
+        stream.open_shards(stream.parse_args(["--data", str(folder), "--block-size", "16", "--batch-size", "4"]),
+                           processes=2)
+
+
+@pytest.mark.launch
+def test_ranks_cross_an_uneven_epoch_end_together_and_a_stopped_run_resumed_with_other_workers_ends_on_the_same_bits(
+        shards, tmp_path):
+    """28 windows an epoch, 8 a step: the ranks share out 48 windows over 6 steps and both end (exit 0, equal
+    weights). Stopped after step 3 (as SIGTERM would) with 2 loader workers a rank, the same command with none
+    resumes from the snapshot's position and ends bitwise where the uninterrupted run ended."""
+    common = [*TINY, "--data", shards[1], *PORTED_BATCH]
+    whole, stopped = tmp_path / "whole.pt", tmp_path / "stopped.pt"
+    output = run_ok(torchrun(2, STREAM, *common, "--checkpoint", whole, "--num-workers", 2), timeout=120).stdout
+    assert "76 training bytes in 3 shards" in output
+    lines = rank_lines(output)
+    assert set(lines) == {0, 1} and lines[0] == lines[1] and lines[0][1] == "6"
+    first = run_ok(torchrun(2, STREAM, *common, "--checkpoint", stopped, "--num-workers", 2, "--stop-after-steps", 3),
+                   timeout=120).stdout
+    assert "stopped after step 3" in first
+    second = run_ok(torchrun(2, STREAM, *common, "--checkpoint", stopped, "--num-workers", 0), timeout=120).stdout
+    assert "resumed from" in second
+    resumed, uninterrupted = (torch.load(path, weights_only=True) for path in (stopped, whole))
+    assert resumed["step"] == uninterrupted["step"] == 6 and resumed["position"] == uninterrupted["position"] == 48
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+
+
+def test_the_streamed_port_and_its_shard_maker_are_standalone():
+    for script in (STREAM, "port/make_shards.py"):
+        source = (REPO / script).read_text()
+        assert not re.search(r"^(from|import) (lessons|helpers|port)\b", source, re.M), script
