@@ -19,6 +19,7 @@ import itertools  # stream:
 import json
 import math
 import multiprocessing  # stream:
+import multiprocessing.forkserver  # stream:
 import os
 import signal  # step 04
 import sys
@@ -133,7 +134,8 @@ def open_shards(args, processes):
     folder = os.path.dirname(os.path.abspath(args.checkpoint or args.metrics or "."))
     if not os.access(folder, os.W_OK):
         sys.exit(f"error: {folder} is not a writable folder (--checkpoint, --metrics)")
-    # the shards' names and sizes, not their bytes: hashing those would read the whole corpus before the first step
+    # the shards' names and sizes, not their bytes: hashing those would read the whole corpus before the first step;
+    # shards of the same names and sizes but other bytes pass unseen
     digest = hashlib.sha256(repr(list(zip(names, sizes, strict=True))).encode() + val).hexdigest()
     val_tokens = torch.frombuffer(bytearray(val), dtype=torch.uint8)
     return [os.path.join(args.data, name) for name in names], sizes, val_tokens, digest
@@ -142,15 +144,17 @@ def open_shards(args, processes):
 @lru_cache(maxsize=2)
 def epoch_layout(counts, seed, epoch):
     """stream: the shards in an order drawn from (seed, epoch), and where each one's windows end in the epoch."""
-    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(
+        (seed * 1_000_003 + epoch) % 2**63)).tolist()
     ends = list(itertools.accumulate(counts[shard] for shard in order))
     return order, ends
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=1)
 def shard_starts(count, seed, epoch, shard):
-    """stream: a shard's window starts, shuffled anew each epoch."""
-    return torch.randperm(count, generator=torch.Generator().manual_seed(
+    """stream: a shard's window starts, shuffled anew each epoch: held in memory while the shard is read, 4 bytes a
+    window in every loader worker (so shards of a few hundred MB at most)."""
+    return torch.randperm(count, dtype=torch.int32, generator=torch.Generator().manual_seed(
         ((seed * 1_000_003 + epoch) * 1_000_003 + shard) % 2**63))
 
 
@@ -165,7 +169,8 @@ def window_at(index, counts, seed):
 
 
 class ShardStream(IterableDataset):
-    """stream: this rank's micro-batches, (inputs, targets), from `position` on (windows all ranks have used): as in
+    """stream: this rank's micro-batches, windows of block_size + 1 bytes, from `position` on (windows all ranks have
+    used): as in
     gpt_ddp.py, rank r takes every world_size-th window of the next batch_size x world_size; loader worker w of W
     makes micro-batches w, w + W, ...: the DataLoader takes one from each worker in turn, so they come in order."""
 
@@ -186,13 +191,13 @@ class ShardStream(IterableDataset):
                     if shard != open_shard:
                         if file:
                             file.close()
-                        file, open_shard = open(self.shards[shard], "rb"), shard  # noqa: SIM115
+                        file, open_shard = open(self.shards[shard], "rb", buffering=0), shard  # noqa: SIM115
                     file.seek(start)
                     windows.append(file.read(self.block_size + 1))  # the inputs, and the next byte of each
                     if len(windows[-1]) != self.block_size + 1:
                         raise RuntimeError(f"{self.shards[shard]} is shorter than when the run began")
-                batch = torch.frombuffer(bytearray(b"".join(windows)), dtype=torch.uint8).view(len(windows), -1)
-                yield batch[:, :-1].long(), batch[:, 1:].long()
+                # one byte a token on the way to the training loop (its shared memory, and a GPU's copy)
+                yield torch.frombuffer(bytearray(b"".join(windows)), dtype=torch.uint8).view(len(windows), -1)
                 micro += every
         finally:
             if file:
@@ -255,6 +260,12 @@ def flops_per_token(model, args):
     return 6 * weights + 12 * args.n_layer * args.block_size * args.n_embd
 
 
+def ignore_stop_signals(worker_id):
+    """stream: a loader worker ignores the stop signals (04's)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def lr_factor(step, args):
     """Linear warm-up over --warmup-steps optimizer steps, then cosine decay to a tenth of --lr at --steps."""
     if step < args.warmup_steps:
@@ -294,7 +305,8 @@ def fail(message, everyone=True):
 
 
 def check_same_text(digest, path):
-    """One text for all: a node holding another copy of --data would otherwise train on it without a word."""
+    """stream: one corpus for all, by its shards' names and sizes and the held-out bytes (not the shards' bytes: that
+    would read the whole corpus first): a node holding another copy of --data would otherwise train on it."""
     digests = [None] * dist.get_world_size()  # port lesson
     dist.all_gather_object(digests, digest)  # port lesson
     if len(set(digests)) > 1:  # port lesson
@@ -438,6 +450,14 @@ def main(args):
         log(f"resumed from {args.checkpoint}: step {start_step} of {args.steps}")
     # no RNG state to save: dropout draws from a seed made of --seed and the position in the data (and the rank)
     stop_requested = threading.Event()  # step 04: Slurm sends SIGTERM (or USR1) before it kills a job
+    # stream: the stop signals reach the rank's whole process group, loader workers too (as in 04): the fork server,
+    # started while they are ignored, and every worker it forks ignore them; a worker that died would leave the rank
+    # unable to fetch the batches that take it to the end of the step, where it saves and stops
+    multiprocessing.set_forkserver_preload(["torch"])  # stream:
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # stream:
+        signal.signal(signum, signal.SIG_IGN)  # stream:
+    if args.num_workers > 0:  # stream:
+        multiprocessing.forkserver.ensure_running()  # stream:
     for signum in (signal.SIGTERM, signal.SIGUSR1):  # step 04
         signal.signal(signum, lambda *_: stop_requested.set())  # step 04
 
@@ -455,10 +475,10 @@ def main(args):
         "processes")
     model_flops_per_token = flops_per_token(raw_model, args)  # the whole model's, not this rank's pieces
     # stream: loader workers read this rank's next micro-batches from the shards while the model trains, from the
-    # position the snapshot restored; they start from a fork server, as the numbered scripts' loaders do
-    multiprocessing.set_forkserver_preload(["torch"])  # stream:
+    # position the snapshot restored; they start from the fork server above, as the numbered scripts' loaders do
     batches = iter(DataLoader(ShardStream(shards, sizes, args, position, rank, world_size), batch_size=None,
                               num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                              worker_init_fn=ignore_stop_signals,  # torch's own worker set-up handles SIGTERM again
                               multiprocessing_context="forkserver" if args.num_workers else None))  # stream:
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
@@ -466,7 +486,8 @@ def main(args):
         for micro_step in range(args.grad_accum):  # step 01: no_sync needs to know the last one
             # step 04's data order: one shuffled stream, counted in windows of all ranks (so a resume continues it);
             # each rank takes every world_size-th of the next batch_size * world_size: together, the single batch
-            inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))  # stream:
+            windows = next(batches).to(device, non_blocking=True).long()  # stream:
+            inputs, targets = windows[:, :-1], windows[:, 1:]  # stream: the next byte of each is its target
             torch.manual_seed(args.seed * 1_000_003 + position + rank)  # port lesson: + rank: masks differ by rank
             position += args.batch_size * world_size  # step 04
             # step 01: no_sync skips the all-reduce on micro-batches before the last: it runs once, on the sum

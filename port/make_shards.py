@@ -5,8 +5,9 @@ as they are: a corpus prepared once, read by every run.
     python port/make_shards.py                                   # the built-in text into port/data/shards
     python port/make_shards.py my.txt --out my_shards --shards 64
 
-Each shard but the last ends at a line's end, so the shards differ in size, as real ones do. An existing folder's
-.bin files are replaced.
+Each shard but the last ends at the last line's end before its share of the bytes runs out (or at that point, in
+a stretch with no newline), so the shards differ in size, as real ones do. An existing folder's train_*.bin and
+val.bin are replaced.
 """
 import argparse
 import os
@@ -20,7 +21,9 @@ def cut(text, shards):
     split = len(text) * 9 // 10
     train, pieces, first = text[:split], [], 0
     for k in range(1, shards + 1):
-        end = len(train) if k == shards else max(first, train.rfind(b"\n", first, len(train) * k // shards) + 1)
+        share = len(train) * k // shards  # where this piece would end if pieces were equal
+        newline = train.rfind(b"\n", first, share)
+        end = len(train) if k == shards else newline + 1 if newline >= first else share
         pieces.append(train[first:end])
         first = end
     return pieces, text[split:]
@@ -38,11 +41,13 @@ def main(argv=None):
     try:
         with open(args.text, "rb") as f:
             text = f.read()
+        pieces, val = cut(text, args.shards)
+        if not all(pieces):
+            sys.exit(f"error: {args.text}: {len(text)} bytes are too few for --shards {args.shards}")
         os.makedirs(args.out, exist_ok=True)
         for name in os.listdir(args.out):
-            if name.endswith(".bin"):
+            if name == "val.bin" or name.startswith("train_") and name.endswith(".bin"):
                 os.remove(os.path.join(args.out, name))
-        pieces, val = cut(text, args.shards)
         for name, data in [*((f"train_{k:05d}.bin", piece) for k, piece in enumerate(pieces)), ("val.bin", val)]:
             with open(os.path.join(args.out, name), "wb") as f:
                 f.write(data)

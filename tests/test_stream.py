@@ -1,14 +1,18 @@
 """port/gpt_stream.py: the port reading its training windows from shard files keeps its promises. The stream holds
 every window of every shard once per epoch; split by rank and by loader worker it hands each rank exactly its
 share, in order, and a stream started at a position hands out what the uninterrupted one did from there (bitwise).
-Launched: two ranks cross an epoch whose window count the global batch does not divide and end together; a run
-stopped mid-way and resumed, with another number of loader workers, ends on the bits of the uninterrupted one.
+Launched: two ranks cross epochs whose window count the global batch does not divide and end together; a run
+stopped by SIGTERM mid-way (its loader workers ignore it) and resumed with another number of loader workers ends on
+the bits of the uninterrupted one.
 port/make_shards.py cuts a text into the checked-in shards without losing or adding a byte.
 
 Tiny settings: shards the tests make (port/make_shards.py applied to test_port's text), a one-block model."""
 import argparse
 import multiprocessing
+import os
 import re
+import signal
+import time
 
 import pytest
 import torch
@@ -21,29 +25,29 @@ BLOCK = 16  # TINY's --block-size
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """make_shards.py's cut of test_port's text into 5 shards (of uneven sizes), and a second folder of 3 tiny
-    shards of 28 windows in all, with the same held-out part: 6 steps of a global batch of 8 cross an epoch."""
+    """make_shards.py's cut of test_port's text into 5 shards (of uneven sizes), and a second folder of 4 tiny
+    shards, one too short for a window, of 27 windows in all, with the same held-out part: micro-batches of 4
+    windows (2 on each of 2 ranks) cross each epoch's end inside one."""
     folder = tmp_path_factory.mktemp("stream")
     text = make_text(folder / "text.txt")
     load_script("port/make_shards.py").main([str(text), "--out", str(folder / "shards"), "--shards", "5"])
     tiny = folder / "tiny"
     tiny.mkdir()
-    for k, size in enumerate((BLOCK + 4, BLOCK + 9, BLOCK + 15)):
+    for k, size in enumerate((BLOCK + 4, BLOCK + 8, BLOCK + 15, BLOCK - 6)):
         (tiny / f"train_{k:05d}.bin").write_bytes(text.read_bytes()[1000 * k:][:size])
     (tiny / "val.bin").write_bytes((folder / "shards" / "val.bin").read_bytes())
     return folder / "shards", tiny
 
 
 def read_windows(stream, folder, indices):
-    """What the windows at these stream indices hold, read from the files by the test itself: (inputs, targets)."""
+    """What the windows at these stream indices hold, block_size + 1 bytes each, read from the files by the test."""
     shards = sorted(folder.glob("train_*.bin"))
-    counts = tuple(path.stat().st_size - BLOCK for path in shards)
+    counts = tuple(max(0, path.stat().st_size - BLOCK) for path in shards)
     rows = []
     for index in indices:
         shard, start = stream.window_at(index, counts, 0)
         rows.append(list(shards[shard].read_bytes()[start:start + BLOCK + 1]))
-    batch = torch.tensor(rows)
-    return batch[:, :-1], batch[:, 1:]
+    return torch.tensor(rows, dtype=torch.uint8)
 
 
 def test_the_stream_holds_every_window_once_per_epoch_in_an_order_that_changes_each_epoch(shards):
@@ -62,29 +66,29 @@ def test_each_rank_and_loader_worker_reads_its_share_in_order_and_a_stream_resum
         shards):
     """Two ranks, each with a DataLoader of two workers (forked here; the script's fork server starts them another
     way, the split is the same): rank r's micro-batch j is windows j x 6 + r, j x 6 + r + 2, j x 6 + r + 4 of the
-    stream (batch 3 per rank), bitwise, across the epoch's end; a stream made at the position of micro-batch 5
-    continues it exactly."""
-    stream, folder = load_script(STREAM), shards[0]
+    stream (batch 3 per rank), bitwise, over the tiny shards' 5 epochs of 27 windows (most ending inside a
+    micro-batch; a shard too short for a window); a stream made at the position of micro-batch 5 continues it
+    exactly. Each batch is copied out of the shared memory it came in: a kept batch holds a file descriptor open
+    (torch's default sharing strategy), and a few thousand kept would meet "Too many open files"."""
+    stream, folder = load_script(STREAM), shards[1]
     args = argparse.Namespace(batch_size=3, block_size=BLOCK, seed=0)
     paths = [str(path) for path in sorted(folder.glob("train_*.bin"))]
     sizes = [(folder / path).stat().st_size for path in paths]
-    micro_batches = -(-sum(size - BLOCK for size in sizes) // 6) + 2  # one epoch and then some
+    micro_batches = 5 * 27 // 6
     fork = multiprocessing.get_context("fork")
 
     def loaded(rank, position, count):
         loader = torch.utils.data.DataLoader(stream.ShardStream(paths, sizes, args, position, rank, 2),
                                              batch_size=None, num_workers=2, multiprocessing_context=fork)
         batches = iter(loader)
-        return [next(batches) for _ in range(count)]
+        return [next(batches).clone() for _ in range(count)]
 
     for rank in range(2):
         got = loaded(rank, 0, micro_batches)
-        for j, (inputs, targets) in enumerate(got):
-            expected = read_windows(stream, folder, range(6 * j + rank, 6 * (j + 1), 2))
-            assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1]), (rank, j)
+        for j, windows in enumerate(got):
+            assert torch.equal(windows, read_windows(stream, folder, range(6 * j + rank, 6 * (j + 1), 2))), (rank, j)
         resumed = loaded(rank, 5 * 6, micro_batches - 5)
-        assert all(torch.equal(a, b) for old, new in zip(got[5:], resumed, strict=True)
-                   for a, b in zip(old, new, strict=True))
+        assert all(torch.equal(old, new) for old, new in zip(got[5:], resumed, strict=True))
 
 
 def test_make_shards_cuts_a_text_into_shards_and_a_held_out_part_without_losing_a_byte(tmp_path):
@@ -127,24 +131,38 @@ def test_a_missing_or_too_small_shard_folder_is_refused_in_one_line(shards, tmp_
 
 
 @pytest.mark.launch
-def test_ranks_cross_an_uneven_epoch_end_together_and_a_stopped_run_resumed_with_other_workers_ends_on_the_same_bits(
+def test_ranks_end_uneven_epochs_together_and_a_run_stopped_by_sigterm_resumes_with_other_workers_bitwise(
         shards, tmp_path):
-    """28 windows an epoch, 8 a step: the ranks share out 48 windows over 6 steps and both end (exit 0, equal
-    weights). Stopped after step 3 (as SIGTERM would) with 2 loader workers a rank, the same command with none
-    resumes from the snapshot's position and ends bitwise where the uninterrupted run ended."""
-    common = [*TINY, "--data", shards[1], *PORTED_BATCH]
+    """27 windows an epoch, 4 a micro-batch: the ranks share out the stream over 150 steps (44 epochs, most ending
+    inside a micro-batch) and both end (equal weights; no loader workers). The same run with 2 a rank, whose workers and
+    fork servers ignore the stop signals (the kernel's record), gets SIGTERM to torchrun mid-run, as Slurm's stop
+    sends it: each rank saves and stops at the end of its step; the same command with no workers resumes from the
+    snapshot's position and ends bitwise where the uninterrupted run ended."""
+    from test_fault_tolerance import assert_loader_workers_ignore_stop_signals, launch, wait
+
+    common = [*TINY, "--data", shards[1], *PORTED_BATCH, "--steps", 150, "--eval-every", 1000, "--save-every-steps",
+              1000]
     whole, stopped = tmp_path / "whole.pt", tmp_path / "stopped.pt"
-    output = run_ok(torchrun(2, STREAM, *common, "--checkpoint", whole, "--num-workers", 2), timeout=120).stdout
-    assert "76 training bytes in 3 shards" in output
+    output = run_ok(torchrun(2, STREAM, *common, "--checkpoint", whole, "--num-workers", 0), timeout=120).stdout
+    assert "85 training bytes in 4 shards" in output
     lines = rank_lines(output)
-    assert set(lines) == {0, 1} and lines[0] == lines[1] and lines[0][1] == "6"
-    first = run_ok(torchrun(2, STREAM, *common, "--checkpoint", stopped, "--num-workers", 2, "--stop-after-steps", 3),
-                   timeout=120).stdout
-    assert "stopped after step 3" in first
+    assert set(lines) == {0, 1} and lines[0] == lines[1] and lines[0][1] == "150"
+
+    agent, log = launch(tmp_path, "stopped", torchrun(2, STREAM, *common, "--checkpoint", stopped, "--num-workers", 2))
+    deadline = time.monotonic() + 90
+    while "step 2/150" not in log.read_text():
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    assert_loader_workers_ignore_stop_signals(agent)
+    os.kill(agent.pid, signal.SIGTERM)  # torchrun sends it on to each rank's process group
+    _, first = wait(agent, log)
+    stop = re.search(r"stopped after step (\d+); the same command resumes from there", first)
+    assert stop and 2 <= int(stop[1]) < 150, first[-3000:]  # (torchrun prints a traceback of its own signal)
+    assert f"saved snapshot {stopped} (step {stop[1]})" in first and "DataLoader worker" not in first, first[-3000:]
     second = run_ok(torchrun(2, STREAM, *common, "--checkpoint", stopped, "--num-workers", 0), timeout=120).stdout
-    assert "resumed from" in second
+    assert f"resumed from {stopped}: step {stop[1]} of 150" in second
     resumed, uninterrupted = (torch.load(path, weights_only=True) for path in (stopped, whole))
-    assert resumed["step"] == uninterrupted["step"] == 6 and resumed["position"] == uninterrupted["position"] == 48
+    assert resumed["step"] == uninterrupted["step"] == 150 and resumed["position"] == uninterrupted["position"] == 1200
     for name, value in uninterrupted["model"].items():
         assert torch.equal(resumed["model"][name], value), name
 

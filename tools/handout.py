@@ -14,7 +14,8 @@ stays: the lectures with their outputs as executed, and each exercise's heading 
 (notebooks/*.md) go too, for they hold the same answers; so in the handout `make test` fails (its notebook
 tests), and links to those sources are dead: run the course's tests in the course. And the port's built-in text,
 port/data/ddp_steps_prose.txt, made from earlier lesson sources, loses its exercise sections (questions and answers),
-so the port's runs there print other numbers than the port lecture shows. And the exercises lose their solutions
+and its shards (port/data/shards) are cut again from what is left, so the port's runs there print other numbers than
+the port lecture shows. And the exercises lose their solutions
 (exercises/*/solution.py), with the tests that need them and the forbidden shortcuts they are checked against
 (near-answers). The handout's README.md says what an attendee runs (make check-setup, make check EX=NAME, not
 make test) and all of the above; the course's own README becomes COURSE.md.
@@ -113,8 +114,11 @@ def main(destination):
         nbformat.write(without_answers(nbformat.read(path, as_version=4)), path)
         (destination / "notebooks" / f"{name}.md").unlink()
     (destination / PROSE).write_text(without_exercises((destination / PROSE).read_text()))
+    subprocess.run([sys.executable, str(destination / "port" / "make_shards.py")], capture_output=True, check=True,
+                   timeout=60)  # port/data/shards: the shortened text's shards, for port/gpt_stream.py
     with open(destination / PROSE.parent / "README.md", "a") as readme:
-        readme.write("\nIn this handout the text's exercise sections were taken out (tools/handout.py).\n")
+        readme.write("\nIn this handout the text's exercise sections were taken out (tools/handout.py), and shards/ is "
+                     "the shortened text's cut.\n")
     # The exercises' answers: each solution, and the tests that need them (the forbidden shortcuts are near-answers).
     for path in [*destination.glob("exercises/*/solution.py"), destination / "tests" / "test_exercises.py"]:
         path.unlink()
