@@ -3,6 +3,7 @@ data and only the loop differs from the tutorial's; and the start every one of t
 import argparse
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +19,16 @@ def start():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     torch.manual_seed(0)
+
+
+def finish():
+    """Leaves the group, then the process without Python's shutdown: once DDP has used gloo's group, its threads
+    outlive destroy_process_group, and one still freeing a collective's tensors as Python shuts down aborts the
+    process (-6), as the scripts explain (tools/repro_gloo_exit_abort.py)."""
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def paired_steps_arguments():

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _shared import start, step02  # 02_torchrun.py's model and data
+from _shared import finish, start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -50,4 +50,4 @@ for epoch in range(1, args.epochs + 1):
     if dist.get_rank() == 0:
         elapsed = time.perf_counter() - began
         print(json.dumps({"epoch": epoch, "samples_per_s": samples * dist.get_world_size() / elapsed}), flush=True)
-dist.destroy_process_group()
+finish()  # leaves without Python's shutdown (benchmarks/_shared.py says why)

@@ -20,7 +20,7 @@ import _verdict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _shared import paired_steps_arguments, rank_batches, start, step02  # 02_torchrun.py's model and data
+from _shared import finish, paired_steps_arguments, rank_batches, start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 args = paired_steps_arguments()
@@ -75,4 +75,4 @@ if dist.get_rank() == 0:
                       "step_ms_without": 1000 * statistics.median(medians["without"]),
                       "copy_ms": 1000 * copy_s, "ratio_bound": bound, "ratios": ratios,
                       "ratio_median": middle, "ratio_min": low, "ratio_max": high, "verdict": verdict}), flush=True)
-dist.destroy_process_group()
+finish()  # leaves without Python's shutdown (benchmarks/_shared.py says why)

@@ -14,9 +14,8 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from _shared import start, step02  # 02_torchrun.py's model and data
+from _shared import finish, start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 parser = argparse.ArgumentParser()
@@ -45,4 +44,4 @@ for step in range(args.steps + 10):
             times[name].append(time.perf_counter() - began)
 plain_ms, ddp_ms = (1000 * statistics.median(times[name]) for name in ("plain", "ddp"))
 print(json.dumps({"plain_ms": plain_ms, "ddp_ms": ddp_ms, "plain_over_ddp": plain_ms / ddp_ms}), flush=True)
-dist.destroy_process_group()
+finish()  # leaves without Python's shutdown (benchmarks/_shared.py says why)

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _shared import start, step02  # 02_torchrun.py's model and data
+from _shared import finish, start, step02  # 02_torchrun.py's model and data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
@@ -52,4 +52,4 @@ for r in range(dist.get_world_size()):
     dist.barrier()
     if r == rank:
         print("\n".join(lines), flush=True)
-dist.destroy_process_group()
+finish()  # leaves without Python's shutdown (benchmarks/_shared.py says why)

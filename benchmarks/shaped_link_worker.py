@@ -8,9 +8,7 @@ of them trains correctly on 2 ranks, and by notebooks/making_ddp_fast.md.
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _link import shape
-from _shared import start, step02  # 02_torchrun.py's model and data
+from _shared import finish, start, step02  # 02_torchrun.py's model and data
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -299,13 +297,7 @@ def main():
         if args.accuracy_samples:
             accuracy(name, args)
     emit(kind="done")
-    dist.destroy_process_group()
-    # leave without Python's shutdown: once DDP has used gloo's group, destroy_process_group leaves its threads
-    # running, and one still freeing a collective's tensors as Python shuts down aborts the process (-6), which fails
-    # the run (4 in 35 lesson-sized runs beside two busy processes). The numbered scripts leave so too; why:
-    # tools/repro_gloo_exit_abort.py
-    sys.stdout.flush()
-    os._exit(0)
+    finish()  # without Python's shutdown, where gloo's threads can abort a finished rank (-6) and fail the run
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import signal  # step 04
 import sys
 import threading  # step 04
 import time
+import traceback  # stream:
 import warnings
 from contextlib import nullcontext
 from datetime import timedelta  # step 01
@@ -170,9 +171,9 @@ def window_at(index, counts, seed):
 
 class ShardStream(IterableDataset):
     """stream: this rank's micro-batches, windows of block_size + 1 bytes, from `position` on (windows all ranks have
-    used): as in
-    gpt_ddp.py, rank r takes every world_size-th window of the next batch_size x world_size; loader worker w of W
-    makes micro-batches w, w + W, ...: the DataLoader takes one from each worker in turn, so they come in order."""
+    used): as in gpt_ddp.py, rank r takes every world_size-th window of the next batch_size x world_size; loader
+    worker w of W makes micro-batches w, w + W, ...: the DataLoader takes one from each worker in turn, so they come
+    in order."""
 
     def __init__(self, shards, sizes, args, position, rank, world_size):
         self.shards, self.position, self.rank, self.world_size = shards, position, rank, world_size
@@ -478,7 +479,7 @@ def main(args):
     # position the snapshot restored; they start from the fork server above, as the numbered scripts' loaders do
     batches = iter(DataLoader(ShardStream(shards, sizes, args, position, rank, world_size), batch_size=None,
                               num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                              worker_init_fn=ignore_stop_signals,  # torch's own worker set-up handles SIGTERM again
+                              worker_init_fn=ignore_stop_signals,  # after torch's own SIGTERM handler in a worker
                               multiprocessing_context="forkserver" if args.num_workers else None))  # stream:
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
@@ -565,7 +566,12 @@ if __name__ == "__main__":
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:  # step 02: stop rather than train as a world of one
         sys.exit(f"{sys.argv[0]} must be started by torchrun: torchrun --standalone --nproc_per_node=2 {sys.argv[0]}")
-    main(args)
+    try:  # stream:
+        main(args)
+    except (Exception, KeyboardInterrupt):  # stream: Python's exit would send SIGTERM to the loader workers, which
+        traceback.print_exc()  # stream: ignore it, and wait for them forever: say why and leave at once
+        sys.stderr.flush()  # stream:
+        os._exit(1)  # stream:
     # step 01: leave without Python's shutdown: once DDP has used gloo's group, destroy_process_group leaves its
     # threads running, and one still freeing a collective's tensors as Python shuts down aborts the process (-6)
     gc.collect()  # stream: frees the loader's queues (reference cycles): their semaphores would be reported leaked

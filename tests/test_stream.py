@@ -11,6 +11,7 @@ import argparse
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -26,8 +27,8 @@ BLOCK = 16  # TINY's --block-size
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """make_shards.py's cut of test_port's text into 5 shards (of uneven sizes), and a second folder of 4 tiny
-    shards, one too short for a window, of 27 windows in all, with the same held-out part: micro-batches of 4
-    windows (2 on each of 2 ranks) cross each epoch's end inside one."""
+    shards, one too short for a window, of 27 windows in all, with the same held-out part: with micro-batches of 4
+    windows (2 on each of 2 ranks), 3 epoch ends in 4 fall inside one."""
     folder = tmp_path_factory.mktemp("stream")
     text = make_text(folder / "text.txt")
     load_script("port/make_shards.py").main([str(text), "--out", str(folder / "shards"), "--shards", "5"])
@@ -66,7 +67,7 @@ def test_each_rank_and_loader_worker_reads_its_share_in_order_and_a_stream_resum
         shards):
     """Two ranks, each with a DataLoader of two workers (forked here; the script's fork server starts them another
     way, the split is the same): rank r's micro-batch j is windows j x 6 + r, j x 6 + r + 2, j x 6 + r + 4 of the
-    stream (batch 3 per rank), bitwise, over the tiny shards' 5 epochs of 27 windows (most ending inside a
+    stream (batch 3 per rank), bitwise, over the tiny shards' 5 epochs of 27 windows (2 of its 4 epoch ends inside a
     micro-batch; a shard too short for a window); a stream made at the position of micro-batch 5 continues it
     exactly. Each batch is copied out of the shared memory it came in: a kept batch holds a file descriptor open
     (torch's default sharing strategy), and a few thousand kept would meet "Too many open files"."""
@@ -105,6 +106,23 @@ def test_make_shards_cuts_a_text_into_shards_and_a_held_out_part_without_losing_
         assert (REPO / "port/data/shards" / path.name).read_bytes() == path.read_bytes(), path.name
 
 
+def test_make_shards_cuts_where_a_stretch_holds_no_newline_refuses_too_few_bytes_and_deletes_only_its_files(tmp_path):
+    shards = load_script("port/make_shards.py")
+    assert [len(piece) for piece in shards.cut(b"x" * 1000, 4)[0]] == [225, 225, 225, 225]  # no empty shard
+    assert [len(piece) for piece in shards.cut(b"a" * 500 + b"\n" + b"b" * 400, 4)[0]] == [202, 203, 96, 309]
+    (tmp_path / "tiny.txt").write_bytes(b"abc")
+    with pytest.raises(SystemExit, match="^error: .*tiny.txt: 3 bytes are too few for --shards 8$"):
+        shards.main([str(tmp_path / "tiny.txt"), "--out", str(tmp_path / "out")])
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("train_00009.bin", "val.bin", "other.bin"):
+        (out / name).write_bytes(b"old")
+    (tmp_path / "text.txt").write_bytes(b"line\n" * 100)
+    shards.main([str(tmp_path / "text.txt"), "--out", str(out), "--shards", "2"])
+    assert sorted(path.name for path in out.iterdir()) == ["other.bin", "train_00000.bin", "train_00001.bin",
+                                                           "val.bin"]
+
+
 @pytest.mark.parametrize("case", ["no folder", "a file", "no val.bin", "too few windows"])
 def test_a_missing_or_too_small_shard_folder_is_refused_in_one_line(shards, tmp_path, case, capsys):
     stream = load_script(STREAM)
@@ -133,7 +151,7 @@ def test_a_missing_or_too_small_shard_folder_is_refused_in_one_line(shards, tmp_
 @pytest.mark.launch
 def test_ranks_end_uneven_epochs_together_and_a_run_stopped_by_sigterm_resumes_with_other_workers_bitwise(
         shards, tmp_path):
-    """27 windows an epoch, 4 a micro-batch: the ranks share out the stream over 150 steps (44 epochs, most ending
+    """27 windows an epoch, 4 a micro-batch: the ranks share out the stream over 150 steps (44 epochs, 3 ends in 4
     inside a micro-batch) and both end (equal weights; no loader workers). The same run with 2 a rank, whose workers and
     fork servers ignore the stop signals (the kernel's record), gets SIGTERM to torchrun mid-run, as Slurm's stop
     sends it: each rank saves and stops at the end of its step; the same command with no workers resumes from the
@@ -171,3 +189,26 @@ def test_the_streamed_port_and_its_shard_maker_are_standalone():
     for script in (STREAM, "port/make_shards.py"):
         source = (REPO / script).read_text()
         assert not re.search(r"^(from|import) (lessons|helpers|port)\b", source, re.M), script
+
+
+@pytest.mark.launch
+def test_a_rank_that_raises_with_loader_workers_leaves_at_once_with_the_error(shards, tmp_path):
+    """The loader workers ignore SIGTERM, which Python's exit sends them before it waits for them: a rank that
+    raised would wait there forever. Every shard cut short mid-run: the workers' error reaches both ranks, each
+    prints it and leaves, and torchrun reports the failure, within seconds, not at a timeout."""
+    from test_fault_tolerance import launch, wait
+
+    folder = tmp_path / "shards"
+    shutil.copytree(shards[1], folder)
+    agent, log = launch(tmp_path, "cut", torchrun(2, STREAM, *TINY, "--data", folder, *PORTED_BATCH, "--steps", 150,
+                                                 "--num-workers", 2))
+    deadline = time.monotonic() + 90
+    while "step 2/150" not in log.read_text():
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    for shard in folder.glob("train_*.bin"):
+        shard.write_bytes(b"")
+    began = time.monotonic()
+    code, output = wait(agent, log, timeout=60)
+    assert code != 0 and time.monotonic() - began < 30, output[-3000:]
+    assert "is shorter than when the run began" in output and "exitcode  : 1" in output, output[-3000:]

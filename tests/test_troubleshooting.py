@@ -368,3 +368,44 @@ def test_with_record_torchrun_names_the_exception_and_its_line(tmp_path):
                 if "DATA_PREPARE_DELAY" in text)
     assert f'02_torchrun.py", line {line}, in main' in root_cause, root_cause
     assert "ValueError: could not convert string to float: 'oops'" in root_cause
+
+
+class Numbers(torch.utils.data.Dataset):
+    """Sample i: four copies of i (module level: what a loader's worker runs must be found by name)."""
+
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, index):
+        return torch.full((4,), float(index))
+
+
+@pytest.mark.multiproc
+def test_batches_kept_from_loader_workers_run_out_of_file_descriptors_and_copies_of_them_do_not():
+    """A batch from a worker arrives in shared memory whose file descriptor stays open while the tensor (or a view of
+    it) lives: keeping 400 of them under a limit of 128 open files fails with torch's message; keeping copies does
+    not (in this process, the limit restored after)."""
+    import resource
+
+    def keep(copy, count=400):
+        kept, loader = [], torch.utils.data.DataLoader(Numbers(), batch_size=2, num_workers=2,
+                                                       multiprocessing_context="fork")
+        for batch in loader:
+            kept.append(batch.clone() if copy else batch)
+            if len(kept) == count:
+                return kept
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(128, soft), hard))
+    try:
+        assert len(keep(copy=True)) == 400
+        with pytest.raises(RuntimeError, match=re.escape(
+                "Too many open files. Communication with the workers is no longer possible. Please increase the limit "
+                "using `ulimit -n` in the shell or change the sharing strategy by calling "
+                "`torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of your code")):
+            keep(copy=False)
+    finally:
+        import gc
+
+        gc.collect()  # the failed loader's tensors and queues, before the limit goes back up
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
