@@ -1,8 +1,9 @@
 """Where each rank's DDP step goes, and which rank is the slow one: every step of every rank split into computing,
-waiting for the other ranks, and communicating, from wall clocks around the gradient all-reduce (on CPU and GPU
-alike; no CUDA events: on a GPU the clocks see when the host launched and waited, so a step is timed after a
-synchronize). Then the same with one rank made slow on purpose (a sleep before its forward, as a slower device or a
-busier node would be): the table names it, and the time the others lose shows up as waiting, not as communication.
+waiting for the other ranks, and communicating, from wall clocks around the gradient all-reduce (CPU and gloo only:
+with NCCL an all-reduce's future completes once the work is queued on the GPU, not done (torch's Work.get_future
+documentation), so these clocks would count a fast rank's wait as computing; a GPU needs CUDA events, not done
+here). Then the same with one rank made slow on purpose (a sleep before its forward, as a slower device or a busier
+node would be): the table names it, and the time the others lose shows up as waiting, not as communication.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/step_split.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/step_split.py --slow-rank 1 --slow-ms 100
@@ -14,9 +15,11 @@ gradient bucket is handed to the all-reduce):
 - communicating: from there until this rank's backward() returned (DDP returns once every bucket is reduced);
 - computing: the rest of the step (forward, backward up to its last bucket, the optimizer step).
 Communication that overlapped the backward pass counts as computing: this is the time the step lost to it. The
-clocks are CLOCK_MONOTONIC, one clock for the processes of one machine; ranks on several machines would need their
-clocks compared first (not done here). The model has no BatchNorm: DDP would broadcast its statistics from rank 0
-before every forward (broadcast_buffers), a collective these clocks do not see, where a fast rank waits for a slow
+MLP's 3.4 MB of gradients are one DDP bucket, so here nothing overlaps; with several buckets, waiting also holds the
+transfer of the earlier buckets that the last one queues behind. The clocks are CLOCK_MONOTONIC, one clock for the
+processes of one machine; ranks on several machines would need their clocks compared first (not done here). The
+model has no BatchNorm: DDP would broadcast its statistics from rank 0 before every forward (forward_sync_buffers,
+formerly broadcast_buffers), a collective these clocks do not see, where a fast rank waits for a slow
 one inside its "computing" (measured with 02's CNN: the slow rank's delay appeared there, not as waiting).
 """
 import argparse
@@ -81,8 +84,8 @@ def measure(model, optimizer, batches, steps, delay):
     handed = []  # when each bucket of this step was handed to the all-reduce
 
     def timed_allreduce(state, bucket):  # DDP's default all-reduce (a mean), with the moment of the hand-over noted
-        handed.append(time.monotonic())
         tensor = bucket.buffer().div_(dist.get_world_size())
+        handed.append(time.monotonic())
         return dist.all_reduce(tensor, async_op=True).get_future().then(lambda future: future.value()[0])
 
     model.register_comm_hook(None, timed_allreduce)
