@@ -16,6 +16,7 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a fresh workers' store 
 on every node of every multi-node run: without it a run on more than one node is refused (pytorch/pytorch#135712).
 """
 import argparse
+import atexit
 import json
 import math
 import multiprocessing.forkserver
@@ -566,6 +567,8 @@ def main(args):
         signal.signal(signum, signal.SIG_IGN)
     if args.num_workers > 0:  # the fork server, started now, inherits "ignore" and its workers too: see lesson 04
         multiprocessing.forkserver.ensure_running()
+        # so, after a failure, Python's exit would wait forever for the workers it asks to stop: kill them first
+        atexit.register(lambda: [worker.kill() for worker in multiprocessing.active_children()])
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, lambda *_: stop_requested.set())
 
