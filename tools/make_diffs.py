@@ -1,7 +1,9 @@
 """Writes diffs/NN_name.diff: each numbered script against the one before it, the tutorial's lessons; and
 diffs/port_gpt.diff: port/gpt_single.py against port/gpt_ddp.py, the ladder's steps applied to another model; and
 diffs/port_gpt_fsdp.diff: port/gpt_ddp.py against port/gpt_fsdp.py, step 05 (FSDP2) applied to it; and
-diffs/port_gpt_stream.diff: port/gpt_ddp.py against port/gpt_stream.py, its data read as a stream of shard files.
+diffs/port_gpt_stream.diff: port/gpt_ddp.py against port/gpt_stream.py, its data read as a stream of shard files; and
+diffs/port_gpt_timed.diff: port/gpt_ddp.py against port/gpt_timed.py, each rank's step split in computing, waiting and
+communicating, and profiler traces.
 
     python tools/make_diffs.py            # regenerate diffs/
     python tools/make_diffs.py --check    # fail if diffs/ is stale or a step is over its budget (CI)
@@ -22,10 +24,11 @@ BUDGET = {  # lines added by each step
     # mp.spawn runs: main, then an exit without Python's shutdown (gloo's threads outlive the group: SIGABRT) 8
     "02_torchrun.py": 30,
     "03_multinode.py": 40,
-    "04_fault_tolerant.py": 191,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
+    "04_fault_tolerant.py": 194,  # 150, then nothing lost to a diverged run (--allow-new-lr, no non-finite
     # snapshot) 24, loader workers seeded per rank and epoch 4, rank 0's GPU RNG state set on each rank's GPU 1, damaged
     # snapshots named with what is wrong in the one refusal line, the fallback's warning once it has worked 5,
-    # TensorBoard's writer closed on a stop by a signal 2, the loaders' fork server started deaf to the stop signals 5
+    # TensorBoard's writer closed on a stop by a signal 2, the loaders' fork server started deaf to the stop signals 5,
+    # and its workers killed at Python's exit after a failure, which would otherwise wait for them forever 3
     "05_fsdp.py": 140,  # FSDP2 for DDP 15, sharded snapshots (DCP) and the whole-model file 50, the rest: every rank
     # runs as many forwards (evaluate), a resume that keeps the global batch on another world size, an old gloo refused;
     # 120: a snapshot's index and pieces checked before a resume reads them 3, a piece damaged inside refused in one
@@ -65,6 +68,10 @@ PAIRS = {
     # 148, after a second read: a rank that raises leaves at once (6; Python's exit would wait forever for loader
     # workers that ignore SIGTERM), a docstring line 1
     ("port/gpt_ddp.py", "port/gpt_stream.py"): ("port_gpt_stream.diff", 148),
+    # 96: the docstring (what the split is and is not, how to run it), --timings and --profile, the split's arithmetic,
+    # the comm hook noting each bucket's hand-over and end, the clocks and the profiler in the loop, the log line and
+    # the file; each added statement saying "timed:"
+    ("port/gpt_ddp.py", "port/gpt_timed.py"): ("port_gpt_timed.diff", 96),
 }
 
 
