@@ -7,17 +7,19 @@ for the processes of one machine; ranks on several machines would need their clo
   handed over its own (no all-reduce ends before every rank has joined it);
 - communicating: from there until this rank's last backward() returned (DDP returns once every bucket is reduced);
 - computing: the rest of the step, including any all-reduce that ran while backward() still computed: "hidden" says
-  how much of the all-reduce's time that was, of at most all but the last bucket's (nothing computes after it).
---timings PATH keeps every rank's split of every step (one JSON line each) for tools/step_times.py, which names the
-slow rank. On a GPU (NCCL) an all-reduce's future completes once the work is queued, not done (torch's
-Work.get_future documentation), so these clocks would be wrong: the split needs CUDA events there, not built; the
-log leaves it out. --profile DIR writes each rank's torch.profiler trace of the run's third to fifth steps, on any
-device.
+  how much of the all-reduce's time (each bucket's, summed) that was, of at most all but the last bucket's.
+What happens between steps (validation, the log, snapshots) is in none of them. --timings PATH keeps every rank's
+split of every step for tools/step_times.py, which names the slow rank (one JSON line per rank and step, written at
+each log line: a run stopped by a signal leaves out its steps since the last one). On a GPU (NCCL) an all-reduce's
+future completes once the work is queued, not done (torch's Work.get_future documentation), so these clocks would be
+wrong there: the split needs CUDA events, not built; the log leaves it out. --profile DIR writes each rank's
+torch.profiler trace of the run's third to fifth steps, on any device (a run stopped by then writes none).
 
   torchrun --standalone --nproc_per_node=2 port/gpt_timed.py --steps 100 --log-every 20 --timings times.jsonl
   STEP_DELAY=1:0.1 torchrun --standalone --nproc_per_node=2 port/gpt_timed.py --steps 100 --timings times.jsonl
   python tools/step_times.py times.jsonl     # per rank: the three parts, the all-reduce hidden, the slow rank
-STEP_DELAY=RANK:SECONDS makes one rank sleep that long before each step: a slower device or a busier node.
+STEP_DELAY=RANK:SECONDS makes one rank sleep that long at the start of each step (counted as its computing): a
+slower device or a busier node.
 """
 import argparse
 import hashlib
@@ -408,7 +410,7 @@ def main(args):
         handed = time.monotonic()  # timed:
         tensor = bucket.buffer().div_(world_size)  # timed:
 
-        def reduced(future):  # timed: on gloo's thread, once the all-reduce is done
+        def reduced(future):  # timed: once the all-reduce is done (on gloo's thread, or here if it already is)
             buckets[bucket.index()] = (handed, time.monotonic())  # timed:
             return future.value()[0]  # timed:
         return dist.all_reduce(tensor, async_op=True).get_future().then(reduced)  # timed:
@@ -502,8 +504,6 @@ def main(args):
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros into them
         records.append((began, dict(buckets), returned, time.monotonic()))  # timed:
-        if profiler:  # timed:
-            profiler.step()  # timed:
         done, seconds = step + 1, time.perf_counter() - timer
         metrics = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": global_batch * args.block_size / seconds}
@@ -546,6 +546,8 @@ def main(args):
             dist.barrier()  # port lesson: leave together, as at the end of the run (below)
             dist.destroy_process_group()  # step 01
             sys.exit(0)  # step 04: not a failure: torchrun must not spend a restart on it
+        if profiler:  # timed:
+            profiler.step()  # timed: the step, with its validation, log and snapshot, is over
     if profiler:  # timed:
         profiler.stop()  # timed:
     if rank == 0:  # step 01: one process samples

@@ -38,9 +38,12 @@ def test_the_tool_names_the_rank_that_computes_longest_and_only_a_rank_that_stan
     table = TOOL.medians(lines_of(rank0=fast, rank1=slow), skip=1)
     assert TOOL.slowest(table) == 1 and "slow rank: 1 (it computes longest" in TOOL.report(table, 5)
     assert TOOL.slowest(TOOL.medians(lines_of(rank0=fast, rank1={**fast, "computing": 30}), skip=1)) is None
+    resumed = lines_of(rank0=fast, rank1=slow) + lines_of(rank0=fast, rank1=fast)  # the same steps again: the later
+    assert TOOL.slowest(TOOL.medians(resumed, skip=1)) is None
 
 
 @pytest.mark.launch
+@pytest.mark.long_job
 def test_the_port_logs_the_split_the_tool_names_the_slow_rank_and_each_rank_writes_a_trace(tmp_path, capsys):
     timings, traces = tmp_path / "times.jsonl", tmp_path / "traces"
     output = run_ok(torchrun(2, "port/gpt_timed.py", "--steps", 12, "--log-every", 4, "--eval-every", 100,
@@ -52,8 +55,8 @@ def test_the_port_logs_the_split_the_tool_names_the_slow_rank_and_each_rank_writ
     assert "slow rank: 1 (it computes longest; the others wait for it)" in capsys.readouterr().out
     table = TOOL.medians([json.loads(line) for line in timings.read_text().splitlines()], skip=5)
     assert table[1]["computing"] - table[0]["computing"] > 70  # rank 1 computes ~100 ms longer
-    assert table[0]["waiting"] > 70 and table[1]["waiting"] < 30  # rank 0 waits for it; rank 1 for nobody
-    assert max(table[0]["communicating"], table[1]["communicating"]) < 30  # the network is not what is slow
+    assert table[0]["waiting"] > 70 and table[1]["waiting"] < 0.3 * table[0]["waiting"]  # rank 0 waits; 1 does not
+    assert max(table[0]["communicating"], table[1]["communicating"]) < 0.3 * table[0]["waiting"]  # not the network
     for rank in (0, 1):  # steps 3 to 5 of each rank, its all-reduces among them (2 buckets and the loss check)
         trace, = traces.glob(f"rank{rank}.*.pt.trace.json")
         names = [event.get("name") for event in json.loads(trace.read_text())["traceEvents"]]
@@ -64,7 +67,9 @@ def test_the_port_logs_the_split_the_tool_names_the_slow_rank_and_each_rank_writ
 
 def test_the_tool_refuses_a_file_it_cannot_read_in_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("not json\n")
-    for path, said in ((tmp_path / "gone.jsonl", "No such file"), (tmp_path / "notes.txt", "Expecting value")):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')  # gpt_timed.py's --metrics file
+    for path, said in ((tmp_path / "gone.jsonl", "No such file"), (tmp_path / "notes.txt", "Expecting value"),
+                       (tmp_path / "metrics.jsonl", "KeyError")):
         with pytest.raises(SystemExit) as stop:
             TOOL.main([str(path)])
         assert stop.value.code.startswith(f"error: {path}: not a file of gpt_timed.py --timings (") and said in \

@@ -149,6 +149,7 @@ def test_a_missing_or_too_small_shard_folder_is_refused_in_one_line(shards, tmp_
 
 
 @pytest.mark.launch
+@pytest.mark.long_job
 def test_ranks_end_uneven_epochs_together_and_a_run_stopped_by_sigterm_resumes_with_other_workers_bitwise(
         shards, tmp_path):
     """27 windows an epoch, 4 a micro-batch: the ranks share out the stream over 150 steps (44 epochs, 3 ends in 4
@@ -192,6 +193,7 @@ def test_the_streamed_port_and_its_shard_maker_are_standalone():
 
 
 @pytest.mark.launch
+@pytest.mark.long_job
 def test_a_rank_that_raises_with_loader_workers_leaves_at_once_with_the_error(shards, tmp_path):
     """The loader workers ignore SIGTERM, which Python's exit sends them before it waits for them: a rank that
     raised would wait there forever. Every shard cut short mid-run: the workers' error reaches both ranks, each

@@ -272,6 +272,19 @@ def ddp_mistakes(rank, world_size):
         model.zero_grad()
         forward(x).sum().backward()
         said[f"gradient through {how}"] = model.module.layer.weight.grad.sum().item()
+    for how in ("its own loss", "the loss all ranks agree on"):  # a finite spike in rank 1's batch, skipped by...
+        layer = nn.Linear(4, 1)
+        with torch.no_grad():
+            layer.weight.fill_(0.5), layer.bias.zero_()  # output 2, loss 4; rank 1's spike: 4000
+        spiky = DDP(layer)
+        optimizer = torch.optim.SGD(spiky.parameters(), lr=0.01)
+        loss = spiky(torch.ones(2, 4)).pow(2).mean() * (1000 if rank == 1 else 1)
+        loss.backward()  # the gradients are averaged: rank 0's hold the spike too
+        agreed = loss.detach().clone()
+        dist.all_reduce(agreed)  # the mean loss over the ranks, the same on every rank
+        if (loss.item() if how == "its own loss" else agreed.item() / world_size) < 100:  # skip a spiked step
+            optimizer.step()
+        said[f"weights after a skip on {how}"] = layer.weight.sum().item()
     return said
 
 @pytest.fixture(scope="module")
@@ -292,6 +305,36 @@ def test_a_custom_method_is_reached_through_module(ddp_mistakes_said):
     # but DDP averages only the gradients of work done through its forward: through .module, ranks drift apart
     assert [said["gradient through module"] for said in ddp_mistakes_said] == [0.0, 8.0]
     assert [said["gradient through DDP"] for said in ddp_mistakes_said] == [4.0, 4.0]
+
+@pytest.mark.multiproc
+def test_a_loss_spike_skipped_on_one_rank_s_own_loss_leaves_the_ranks_with_different_weights(ddp_mistakes_said):
+    """Rank 1's batch spikes the loss (finite); rank 0 steps with the averaged gradient, which holds the spike."""
+    own = [said["weights after a skip on its own loss"] for said in ddp_mistakes_said]
+    agreed = [said["weights after a skip on the loss all ranks agree on"] for said in ddp_mistakes_said]
+    assert own[0] != own[1] and own[1] == 2.0  # rank 1 skipped, rank 0 stepped: no longer the same model
+    assert agreed == [2.0, 2.0]  # both skipped: the same weights as before the step
+
+
+def late_collective(rank, world_size):
+    """Rank 1 comes late to two all_reduces, as a rank still compiling its first step would: 1 s late (within the
+    3 s timeout), then 5 s late (past it)."""
+    said = []
+    for late in (1.0, 5.0):
+        time.sleep(late if rank == 1 else 0.0)
+        began = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+            said.append(f"{time.monotonic() - began:.1f} s: done")
+        except RuntimeError as error:
+            said.append(f"{time.monotonic() - began:.1f} s: {error}")
+            break
+    return said
+
+@pytest.mark.multiproc
+def test_a_rank_later_than_the_collective_timeout_fails_the_collective_on_the_others():
+    on_time, late = run_group(late_collective, 2, collective_timeout=3)[0]
+    assert on_time.endswith(" s: done") and 0.5 < float(on_time.split(" s:")[0]) < 3  # it waited for rank 1
+    assert "Timed out waiting 3000ms" in late and float(late.split(" s:")[0]) < 4.5, late
 
 SPAWN = """import torch.multiprocessing as mp
 

@@ -3,7 +3,8 @@ diffs/port_gpt.diff: port/gpt_single.py against port/gpt_ddp.py, the ladder's st
 diffs/port_gpt_fsdp.diff: port/gpt_ddp.py against port/gpt_fsdp.py, step 05 (FSDP2) applied to it; and
 diffs/port_gpt_stream.diff: port/gpt_ddp.py against port/gpt_stream.py, its data read as a stream of shard files; and
 diffs/port_gpt_timed.diff: port/gpt_ddp.py against port/gpt_timed.py, each rank's step split in computing, waiting and
-communicating, and profiler traces.
+communicating, and profiler traces; and diffs/port_gpt_async.diff: port/gpt_fsdp.py against port/gpt_async.py, its
+snapshots written while training goes on.
 
     python tools/make_diffs.py            # regenerate diffs/
     python tools/make_diffs.py --check    # fail if diffs/ is stale or a step is over its budget (CI)
@@ -68,10 +69,14 @@ PAIRS = {
     # 148, after a second read: a rank that raises leaves at once (6; Python's exit would wait forever for loader
     # workers that ignore SIGTERM), a docstring line 1
     ("port/gpt_ddp.py", "port/gpt_stream.py"): ("port_gpt_stream.diff", 148),
-    # 96: the docstring (what the split is and is not, how to run it), --timings and --profile, the split's arithmetic,
+    # 98: the docstring (what the split is and is not, how to run it), --timings and --profile, the split's arithmetic,
     # the comm hook noting each bucket's hand-over and end, the clocks and the profiler in the loop, the log line and
     # the file; each added statement saying "timed:"
-    ("port/gpt_ddp.py", "port/gpt_timed.py"): ("port_gpt_timed.diff", 96),
+    ("port/gpt_ddp.py", "port/gpt_timed.py"): ("port_gpt_timed.diff", 98),
+    # 62: the docstring (what is copied while training waits, what is written after, the marker moved last), the flag,
+    # one function that puts a written snapshot in place (used both ways), the background save and its end, the
+    # writing thread's gloo group, the poll, the call and its logged wait, the waits before leaving
+    ("port/gpt_fsdp.py", "port/gpt_async.py"): ("port_gpt_async.diff", 62),
 }
 
 

@@ -8,7 +8,10 @@ Per rank it prints the median step and its three parts (computing, waiting for t
 how much of the all-reduce ran hidden behind backward() against the most that could have (every bucket but the
 last one handed over; nothing computes after it). Then it names the slow rank: the one that computes longest, when
 it computes longer than every other by more than a quarter of the median step. The others' time then shows as
-waiting, not as communicating: a slow rank is not a slow network (communicating would grow on every rank).
+waiting, not as communicating: a slow rank is not a slow network (communicating would grow on every rank). What
+happens between steps (validation, the log, snapshots) is in no part: a rank slow there is not named.
+Give gpt_timed.py a fresh --timings file per run; a resumed run may append to its own (where a step is there twice,
+the later line counts: the resumed run's).
 """
 import argparse
 import json
@@ -29,10 +32,11 @@ def parse_args(argv=None):
 
 def medians(lines, skip):
     """{rank: {part: median ms}} over the steps after `skip`."""
+    last = {(line["step"], line["rank"]): line for line in lines}  # a step there twice: the later line
     by_rank = defaultdict(list)
-    for line in lines:
-        if line["step"] > skip:
-            by_rank[line["rank"]].append(line)
+    for (step, rank), line in last.items():
+        if step > skip:
+            by_rank[rank].append(line)
     return {rank: {part: statistics.median(step[f"{part}_ms"] for step in steps) for part in PARTS}
             for rank, steps in sorted(by_rank.items())}
 
@@ -66,9 +70,9 @@ def main(argv=None):
     try:
         with open(args.timings) as f:
             lines = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as error:
-        sys.exit(f"error: {args.timings}: not a file of gpt_timed.py --timings ({error})")
-    table = medians(lines, args.skip)
+        table = medians(lines, args.skip)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        sys.exit(f"error: {args.timings}: not a file of gpt_timed.py --timings ({type(error).__name__}: {error})")
     if not table:
         sys.exit(f"error: {args.timings}: no step after --skip {args.skip}")
     print(report(table, len({line["step"] for line in lines if line["step"] > args.skip})))
