@@ -7,10 +7,11 @@ pieces and the index are on disk: killed mid-write, a run leaves the previous co
 resumes. The thread's collectives (DCP gathers the ranks' plans and results) run on a gloo group of their own, so
 that they never interleave with training's. One write at a time: a snapshot due while the last is still being
 written waits for it first. Each snapshot's log line says how long training waited for it (without --async-save:
-the whole write, as gpt_fsdp.py).
+the whole write, as gpt_fsdp.py). The thread needs cores too: where training uses them all (a CPU run), it takes
+them from training, and the run is no faster (benchmarks/snapshot_stall.md); on GPUs it uses the host's.
 
   torchrun --standalone --nproc_per_node=2 port/gpt_async.py --checkpoint gpt --async-save    # SIGTERM or kill -9
-  python benchmarks/snapshot_stall.py     # the wait, and the host memory, with and without --async-save
+  python benchmarks/snapshot_stall.py     # the wait, the speed and the memory, with and without --async-save
 """
 import argparse
 import copy  # async:
@@ -479,7 +480,8 @@ def main(args):
     # (replicate) of world_size/R processes (shard). Each group holds one whole copy in pieces, as 1-D FSDP2 over
     # fewer processes; gradients are reduce-scattered within a group, then each piece all-reduced across the groups.
     # Put a group's processes on one node: gathers within it on fast links, and only pieces cross between nodes
-    save_group = dist.new_group(backend="gloo") if args.async_save else None  # async: the writing thread's
+    save_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout)) \
+        if args.async_save else None  # async: the writing thread's collectives (its timeout too, not gloo's 30 min)
     mesh = init_device_mesh(device.type, (args.replicas, world_size // args.replicas),
                             mesh_dim_names=("replicate", "shard")) if args.replicas > 1 else \
         init_device_mesh(device.type, (world_size,))  # fsdp

@@ -570,6 +570,8 @@ if __name__ == "__main__":
         main(args)
     except (Exception, KeyboardInterrupt):  # stream: Python's exit would send SIGTERM to the loader workers, which
         traceback.print_exc()  # stream: ignore it, and wait for them forever: say why and leave at once
+        for worker in multiprocessing.active_children():  # stream: they would outlive this process, and their fork
+            worker.kill()  # stream: server with them (each worker holds the pipe it waits on to end)
         sys.stderr.flush()  # stream:
         os._exit(1)  # stream:
     # step 01: leave without Python's shutdown: once DDP has used gloo's group, destroy_process_group leaves its

@@ -46,6 +46,26 @@ def wait(process, log, timeout=240):
     return result.returncode, log.read_text()
 
 
+def left_behind(mark, timeout=10):
+    """The processes started with TEST_MARK=mark in their environment still alive after `timeout` s (then killed): a
+    run must leave none. A loader worker that ignores SIGTERM outlives its rank unless the rank kills it, and keeps
+    its fork server alive too (each worker holds the fork server's "a client is alive" pipe, multiprocessing's
+    popen_forkserver.py), each waiting for the other forever."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get("TEST_MARK") == mark:
+                    alive.append((process, " ".join(process.cmdline())[:120]))
+        if not alive or time.monotonic() > deadline:
+            for process, _ in alive:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            return [command for _, command in alive]
+        time.sleep(0.2)
+
+
 def checksums(output):
     return set(re.findall(r"rank \d done: parameter checksum ([-+.\deE]+)", output))
 

@@ -342,18 +342,22 @@ def test_unreadable_images_found_by_every_rank_s_loader_workers_are_named_and_th
     """Every training image unreadable, read by DataLoader workers (--num-workers 2) on both ranks of 04: a worker
     names its file and each rank stops on the exception it gets from its worker, in no traceback of DataLoader's.
     04's workers ignore SIGTERM (to outlive a scheduler's signal), so Python's exit, which ends its workers with
-    SIGTERM and waits, would wait forever: every rank failing at once hung the job until 04 killed them at exit."""
+    SIGTERM and waits, would wait forever: every rank failing at once hung the job until 04 killed them at exit;
+    and no worker or fork server is left running after it."""
     image_folder(tmp_path / "images")
     for image in (tmp_path / "images" / "train").rglob("*.png"):
         image.write_bytes(image.read_bytes()[:40])  # cut short: a header and no picture
+    from test_fault_tolerance import left_behind
+
     before = snapshot_of(tmp_path)
     result = run(torchrun(2, "04_fault_tolerant.py", "--data", tmp_path / "images", "--batch-size", "1", "--epochs",
-                          "1", "--num-workers", "2"), timeout=90)
+                          "1", "--num-workers", "2"), env=clean_env(TEST_MARK=tmp_path.name), timeout=90)
     errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) >= 2, result.stdout[-3000:]  # each rank's first batch at least
     assert all(line.startswith(f"error: unreadable image {tmp_path / 'images' / 'train'}/") for line in errors)
     assert not re.search(r'(\d\d_\w+|dataloader)\.py", line', result.stdout), "a traceback through the script"
     assert snapshot_of(tmp_path) == before
+    assert left_behind(tmp_path.name) == []  # 04 killed its loader workers, and their fork servers ended
 
 
 @pytest.mark.launch

@@ -197,13 +197,14 @@ def test_the_streamed_port_and_its_shard_maker_are_standalone():
 def test_a_rank_that_raises_with_loader_workers_leaves_at_once_with_the_error(shards, tmp_path):
     """The loader workers ignore SIGTERM, which Python's exit sends them before it waits for them: a rank that
     raised would wait there forever. Every shard cut short mid-run: the workers' error reaches both ranks, each
-    prints it and leaves, and torchrun reports the failure, within seconds, not at a timeout."""
-    from test_fault_tolerance import launch, wait
+    prints it and leaves, and torchrun reports the failure, within seconds, not at a timeout; no worker and no fork
+    server is left running."""
+    from test_fault_tolerance import environment, launch, left_behind, wait
 
     folder = tmp_path / "shards"
     shutil.copytree(shards[1], folder)
     agent, log = launch(tmp_path, "cut", torchrun(2, STREAM, *TINY, "--data", folder, *PORTED_BATCH, "--steps", 150,
-                                                 "--num-workers", 2))
+                                                 "--num-workers", 2), env=environment(TEST_MARK=tmp_path.name))
     deadline = time.monotonic() + 90
     while "step 2/150" not in log.read_text():
         assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -214,3 +215,4 @@ def test_a_rank_that_raises_with_loader_workers_leaves_at_once_with_the_error(sh
     code, output = wait(agent, log, timeout=60)
     assert code != 0 and time.monotonic() - began < 30, output[-3000:]
     assert "is shorter than when the run began" in output and "exitcode  : 1" in output, output[-3000:]
+    assert left_behind(tmp_path.name) == []  # no loader worker, no fork server

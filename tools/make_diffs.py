@@ -67,16 +67,18 @@ PAIRS = {
     # killed by the signal left the rank unable to reach the end of its step) 16, the digest's limits and a shard's
     # order in memory said 4, the windows sent as bytes and split after the copy 2
     # 148, after a second read: a rank that raises leaves at once (6; Python's exit would wait forever for loader
-    # workers that ignore SIGTERM), a docstring line 1
-    ("port/gpt_ddp.py", "port/gpt_stream.py"): ("port_gpt_stream.diff", 148),
+    # workers that ignore SIGTERM), a docstring line 1; 150: it kills them first (2: each would otherwise live on,
+    # and keep the fork server alive, each waiting for the other)
+    ("port/gpt_ddp.py", "port/gpt_stream.py"): ("port_gpt_stream.diff", 150),
     # 98: the docstring (what the split is and is not, how to run it), --timings and --profile, the split's arithmetic,
     # the comm hook noting each bucket's hand-over and end, the clocks and the profiler in the loop, the log line and
     # the file; each added statement saying "timed:"
     ("port/gpt_ddp.py", "port/gpt_timed.py"): ("port_gpt_timed.diff", 98),
-    # 62: the docstring (what is copied while training waits, what is written after, the marker moved last), the flag,
-    # one function that puts a written snapshot in place (used both ways), the background save and its end, the
-    # writing thread's gloo group, the poll, the call and its logged wait, the waits before leaving
-    ("port/gpt_fsdp.py", "port/gpt_async.py"): ("port_gpt_async.diff", 62),
+    # 64: the docstring (what is copied while training waits, what the thread costs, what is written after, the marker
+    # moved last), the flag, one function that puts a written snapshot in place (used both ways), the background
+    # save and its end, the writing thread's gloo group (wrapped, to give it --timeout), the poll, the call and its
+    # logged wait, the waits before leaving
+    ("port/gpt_fsdp.py", "port/gpt_async.py"): ("port_gpt_async.diff", 64),
 }
 
 
