@@ -367,7 +367,7 @@ def put_in_place(path, snapshot):
 
 def save_in_background(path, snapshot, pending, group):
     """async: waits for the snapshot being written, if any, then starts writing this one into PATH.tmp and returns
-    once every rank has copied its pieces into host memory; finish_saving puts it in place once it is written."""
+    once this rank has copied its pieces into host memory; finish_saving puts it in place once it is written."""
     finish_saving(pending)  # async: one write at a time
     if dist.get_rank() == 0 and os.path.exists(path + ".tmp"):  # async: what a crash left of a snapshot being written
         shutil.rmtree(path + ".tmp")  # async:
