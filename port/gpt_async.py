@@ -8,7 +8,7 @@ resumes. The thread's collectives (DCP gathers the ranks' plans and results) run
 that they never interleave with training's. One write at a time: a snapshot due while the last is still being
 written waits for it first. Each snapshot's log line says how long training waited for it (without --async-save:
 the whole write, as gpt_fsdp.py). The thread needs cores too: where training uses them all (a CPU run), it takes
-them from training, and the run is no faster (benchmarks/snapshot_stall.md); on GPUs it uses the host's.
+them from training, and the run is no faster (benchmarks/snapshot_stall.md); GPU training leaves most host cores idle.
 
   torchrun --standalone --nproc_per_node=2 port/gpt_async.py --checkpoint gpt --async-save    # SIGTERM or kill -9
   python benchmarks/snapshot_stall.py     # the wait, the speed and the memory, with and without --async-save

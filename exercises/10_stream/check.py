@@ -1,6 +1,6 @@
 """Exercise 10_stream's claims: two ranks with two loader workers each read a stream of shards: one epoch is every
-window once, each step the two ranks read the stream's next windows together, and a run resumed at a position reads
-what the uninterrupted run read from there."""
+window once, each step the two ranks read the stream's next windows together; and a run resumed at a position, with
+another number of ranks, loader workers and windows per rank, reads the stream on from there."""
 import json
 import tempfile
 from pathlib import Path
@@ -10,16 +10,19 @@ from _grading import finish, load_learner, start, torchrun
 FILE = "train.py"
 LECTURE = "notebooks/long_job.ipynb"
 RANKS, WORKERS, BATCH, STEPS = 2, 2, 4, 24  # train.py's defaults: 8 windows a step, an epoch of 152 is 19 steps
-RESUME_AFTER = 10  # the resumed run starts at position 10 x 8 = 80 and takes steps 11-24
-RESUMED_WORKERS = 3  # and has another number of loader workers: a split that holds for 2 only fails there
+RESUME_AFTER = 10  # the resumed run starts at position 10 x 8 = 80
+# and has other numbers of ranks, loader workers and windows per rank: a split that holds for the first run's only
+# fails there
+RESUMED_RANKS, RESUMED_WORKERS, RESUMED_BATCH, RESUMED_STEPS = 3, 3, 2, 12
 STARTER_FAILS = ("over the first 19 steps (one epoch of 152 windows), the ranks and loader workers together read "
                  "every window once")
 CLAIMS = ["the 2-process run with 2 loader workers per rank finishes",
           STARTER_FAILS,
           "every step, each rank reads 4 windows and the 2 ranks together the stream's next 8 (what one process taking "
           "8 a step reads)",
-          f"a run resumed at position {RESUME_AFTER * RANKS * BATCH}, with {RESUMED_WORKERS} loader workers per rank, "
-          f"finishes and reads, rank by rank, what the uninterrupted run read in steps {RESUME_AFTER + 1}-{STEPS}"]
+          f"a run resumed at position {RESUME_AFTER * RANKS * BATCH} on {RESUMED_RANKS} processes, {RESUMED_WORKERS} "
+          f"loader workers and {RESUMED_BATCH} windows each, finishes and reads each step the stream's next "
+          f"{RESUMED_RANKS * RESUMED_BATCH}, {RESUMED_BATCH} per rank"]
 SEE_IDEAS = "notebooks/long_job.ipynb, section '1. The ideas' (the stream's split by rank and by loader worker)"
 SEE_MISTAKES = ("notebooks/long_job.ipynb, section '4. The classic mistakes, run live', parts 'Every rank reading the "
                 "whole stream' and 'Whole shard files split between ranks: an uneven end'")
@@ -33,9 +36,9 @@ def stream_numbers(learner, count):
     return [starts[shard] + window for shard, window in map(learner.window_at, range(count))]
 
 
-def read(folder):
+def read(folder, ranks=RANKS):
     try:
-        return [json.loads((folder / f"rank{rank}.json").read_text())["seen"] for rank in range(RANKS)]
+        return [json.loads((folder / f"rank{rank}.json").read_text())["seen"] for rank in range(ranks)]
     except (OSError, ValueError, KeyError):
         return None
 
@@ -52,11 +55,13 @@ def check(learner_file, grade):
     with tempfile.TemporaryDirectory(prefix="exercise-10-") as folder:
         whole, resumed = Path(folder) / "whole", Path(folder) / "resumed"
         runs = [start(torchrun(RANKS, learner_file, "--out", whole)),
-                start(torchrun(RANKS, learner_file, "--out", resumed, "--position", RESUME_AFTER * RANKS * BATCH,
-                               "--steps", STEPS - RESUME_AFTER, "--num-workers", RESUMED_WORKERS))]
+                start(torchrun(RESUMED_RANKS, learner_file, "--out", resumed, "--position",
+                               RESUME_AFTER * RANKS * BATCH, "--steps", RESUMED_STEPS, "--num-workers",
+                               RESUMED_WORKERS, "--batch-size", RESUMED_BATCH))]
         try:  # meanwhile, the stream one process would read, from the given parts of the learner's file
             learner = load_learner(learner_file)
-            reference = stream_numbers(learner, STEPS * RANKS * BATCH)
+            reference = stream_numbers(learner, max(STEPS * RANKS * BATCH, RESUME_AFTER * RANKS * BATCH
+                                                    + RESUMED_STEPS * RESUMED_RANKS * RESUMED_BATCH))  # both runs
             epoch = sum(learner.SHARDS)
         except Exception as error:  # the given parts broken: said after the runs' own verdict
             reference = error
@@ -108,15 +113,21 @@ def check(learner_file, grade):
                         f"{sorted(reference[wrong * per_step:(wrong + 1) * per_step])}")
         grade.claim(CLAIMS[2], wrong is None, observed=observed, expected=expected, see=SEE_IDEAS)
 
-        later, expected = read(resumed), [rank[RESUME_AFTER:] for rank in seen]
-        if not second.ok:
+        later, first = read(resumed, RESUMED_RANKS), RESUME_AFTER * RANKS * BATCH
+        per_step = RESUMED_RANKS * RESUMED_BATCH
+        if not second.ok or later is None:
             observed = second.summary() + why_not_finished(second)
         else:
-            started_over = later is not None and all(rank == mine[:len(rank)]
-                                                     for rank, mine in zip(later, seen, strict=True))
-            observed = (f"rank 0's first steps: {later[0][:2] if later else None}"
-                        + ("\nthe uninterrupted run's first steps: does the stream start at `position`?"
-                           if started_over else ""))
-        grade.claim(CLAIMS[3], second.ok and later == expected, observed=observed, see=SEE_DIFF,
-                    expected=f"rank 0's first steps: {expected[0][:2]}, as the uninterrupted run's steps "
-                             f"{RESUME_AFTER + 1} and {RESUME_AFTER + 2} (whether those are right: the claims above)")
+            steps_ok = [len(rank) for rank in later] == [RESUMED_STEPS] * RESUMED_RANKS
+            wrong = next((step for step in range(RESUMED_STEPS) if not steps_ok or any(
+                len(rank[step]) != RESUMED_BATCH for rank in later) or sorted(sum((rank[step] for rank in later), []))
+                != sorted(reference[first + step * per_step:first + (step + 1) * per_step])), None)
+            observed = "" if wrong is None else (
+                f"step {wrong + 1}: " + ", ".join(f"rank {r} read {rank[wrong]}" for r, rank in enumerate(later))
+                + f"; the stream's windows {first + wrong * per_step}-{first + (wrong + 1) * per_step - 1} are "
+                f"{sorted(reference[first + wrong * per_step:first + (wrong + 1) * per_step])}\n"
+                + ("does the stream start at `position`, counted in windows of all ranks? Does nothing in __iter__ "
+                   "assume 2 ranks, 2 workers or 4 windows?"))
+        grade.claim(CLAIMS[3], second.ok and later is not None and not observed, observed=observed, see=SEE_DIFF,
+                    expected=f"each step, {RESUMED_BATCH} windows on each of {RESUMED_RANKS} ranks, together the "
+                             f"stream's next {per_step}, from window {first} on")

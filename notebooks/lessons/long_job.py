@@ -22,7 +22,10 @@ STREAM = "port/gpt_stream.py"
 logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
-def tiny_shards(folder, size=4200, shards=4):
+TINY_TEXT = 4200  # bytes of the built-in text the lecture cuts into shards
+
+
+def tiny_shards(folder, size=TINY_TEXT, shards=4):
     """The first `size` bytes of the built-in text cut into `shards` shard files by port/make_shards.py: the folder,
     and what make_shards.py said (its folder's path left out)."""
     text, out, said = Path(folder) / "text.txt", Path(folder) / "shards", io.StringIO()
