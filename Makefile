@@ -1,6 +1,7 @@
 # The README's commands: `make demo` and `make test` (both set up .venv first when needed); `make test-long-job`
-# runs the long-job ports (streamed data, timed steps, snapshots in the background), `make test-lessons` re-executes
-# every lecture, `make test-exercises` runs each exercise's check on its solution, starter and shortcuts,
+# runs the long-job ports (streamed data, timed steps, snapshots in the background), `make test-past-fsdp` those
+# past FSDP (tensor parallelism, ZeRO-1), `make test-lessons` re-executes every lecture, `make test-exercises` runs each exercise's
+# check on its solution, starter and shortcuts,
 # `make test-root` runs the tests that need root, `make test-gpu` the GPU claims, and `make test-oldest` the scripts
 # on the oldest supported torch (docs/versions.md). docs/ci.md has their times. `make check` grades the exercises.
 PYTHON ?= python3
@@ -19,7 +20,7 @@ JOBS ?= 2
 # One target at a time, even under make -j: the test targets share the local Slurm cluster and the machine's cores.
 .NOTPARALLEL:
 
-.PHONY: setup python-check demo check check-setup test test-long-job test-lessons test-exercises test-quick test-root test-gpu test-oldest lock diffs lint clean
+.PHONY: setup python-check demo check check-setup test test-long-job test-past-fsdp test-lessons test-exercises test-quick test-root test-gpu test-oldest lock diffs lint clean
 
 setup: $(VENV)/.installed
 
@@ -54,12 +55,17 @@ check-setup:
 # GPU (those tests skip, saying why), and the fast checks of the committed notebooks: everything but the lectures'
 # clean-kernel executions, which `make test-lessons` runs.
 test: setup
-	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m "not notebooks and not exercises and not long_job"
+	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m "not notebooks and not exercises and not long_job and not past_fsdp"
 
 # The long-job ports run for real (port/gpt_stream.py, gpt_timed.py, gpt_async.py: a run stopped and resumed, killed
 # mid-write, a rank slowed): kept out of `make test`, which is at its time budget (docs/ci.md).
 test-long-job: setup
 	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m long_job
+
+# The ports past FSDP run for real (port/gpt_tp.py: a 2 x 2 grid stopped and resumed on one row, against one process
+# and 1-D FSDP2; port/gpt_zero.py against gpt_ddp.py): kept out of `make test`, which is at its time budget.
+test-past-fsdp: setup
+	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m past_fsdp
 
 # Every exercise's check run on its solution (passes), its starter and its forbidden shortcuts (fail as expected).
 test-exercises: setup

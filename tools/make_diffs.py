@@ -4,7 +4,8 @@ diffs/port_gpt_fsdp.diff: port/gpt_ddp.py against port/gpt_fsdp.py, step 05 (FSD
 diffs/port_gpt_stream.diff: port/gpt_ddp.py against port/gpt_stream.py, its data read as a stream of shard files; and
 diffs/port_gpt_timed.diff: port/gpt_ddp.py against port/gpt_timed.py, each rank's step split in computing, waiting and
 communicating, and profiler traces; and diffs/port_gpt_async.diff: port/gpt_fsdp.py against port/gpt_async.py, its
-snapshots written while training goes on.
+snapshots written while training goes on; and diffs/port_gpt_tp.diff: port/gpt_fsdp.py against port/gpt_tp.py,
+tensor parallelism on a 2-D mesh; and diffs/port_gpt_zero.diff: port/gpt_ddp.py against port/gpt_zero.py, ZeRO-1.
 
     python tools/make_diffs.py            # regenerate diffs/
     python tools/make_diffs.py --check    # fail if diffs/ is stale or a step is over its budget (CI)
@@ -79,6 +80,17 @@ PAIRS = {
     # save and its end, the writing thread's gloo group (wrapped, to give it --timeout), the poll, the call and its
     # logged wait, the waits before leaving
     ("port/gpt_fsdp.py", "port/gpt_async.py"): ("port_gpt_async.diff", 64),
+    # 116, after an expert read: gpt_fsdp.py's snapshot refused in its own words 3, the clipping's comment 3.
+    # 110: the docstring (the 2-D grid, what is split how, what is not built) 16, the imports 3, --tp and its
+    # refusals 7, q, k and v as three matrices and the forward on this process's heads 9, the validation's and the
+    # median's windows by row 8, whole logits for validation and sampling 5, the export's qkv joined again 14, the
+    # global batch counted in rows on a resume 5, the grid and the plan (blocks by heads, the tied matrix by
+    # vocabulary, tied again) 20, rows in the data, padding and dropout seeds 8, the loss on split logits 6, the norm
+    # over two meshes 10
+    ("port/gpt_fsdp.py", "port/gpt_tp.py"): ("port_gpt_tp.diff", 116),
+    # 25: the docstring (what ZeRO-1 splits and what it does not, the snapshot's collective), the import, the optimizer
+    # and what each process keeps, the snapshot gathered on rank 0 by every process, each process's share logged
+    ("port/gpt_ddp.py", "port/gpt_zero.py"): ("port_gpt_zero.diff", 25),
 }
 
 

@@ -13,15 +13,15 @@ RANKS, WORKERS, BATCH, STEPS = 2, 2, 4, 24  # train.py's defaults: 8 windows a s
 RESUME_AFTER = 10  # the resumed run starts at position 10 x 8 = 80
 # and has other numbers of ranks, loader workers and windows per rank: a split that holds for the first run's only
 # fails there
-RESUMED_RANKS, RESUMED_WORKERS, RESUMED_BATCH, RESUMED_STEPS = 3, 3, 2, 12
+RESUMED_RANKS, RESUMED_WORKERS, RESUMED_BATCH, RESUMED_STEPS = 3, 0, 2, 12  # 0: the training loop reads
 STARTER_FAILS = ("over the first 19 steps (one epoch of 152 windows), the ranks and loader workers together read "
                  "every window once")
 CLAIMS = ["the 2-process run with 2 loader workers per rank finishes",
           STARTER_FAILS,
           "every step, each rank reads 4 windows and the 2 ranks together the stream's next 8 (what one process taking "
           "8 a step reads)",
-          f"a run resumed at position {RESUME_AFTER * RANKS * BATCH} on {RESUMED_RANKS} processes, {RESUMED_WORKERS} "
-          f"loader workers and {RESUMED_BATCH} windows each, finishes and reads each step the stream's next "
+          f"a run resumed at position {RESUME_AFTER * RANKS * BATCH} on {RESUMED_RANKS} processes without loader "
+          f"workers, {RESUMED_BATCH} windows each, finishes and reads each step the stream's next "
           f"{RESUMED_RANKS * RESUMED_BATCH}, {RESUMED_BATCH} per rank"]
 SEE_IDEAS = "notebooks/long_job.ipynb, section '1. The ideas' (the stream's split by rank and by loader worker)"
 SEE_MISTAKES = ("notebooks/long_job.ipynb, section '4. The classic mistakes, run live', parts 'Every rank reading the "
@@ -127,7 +127,7 @@ def check(learner_file, grade):
                 + f"; the stream's windows {first + wrong * per_step}-{first + (wrong + 1) * per_step - 1} are "
                 f"{sorted(reference[first + wrong * per_step:first + (wrong + 1) * per_step])}\n"
                 + ("does the stream start at `position`, counted in windows of all ranks? Does nothing in __iter__ "
-                   "assume 2 ranks, 2 workers or 4 windows?"))
+                   "assume 2 ranks, loader workers or 4 windows (get_worker_info() is None without them)?"))
         grade.claim(CLAIMS[3], second.ok and later is not None and not observed, observed=observed, see=SEE_DIFF,
                     expected=f"each step, {RESUMED_BATCH} windows on each of {RESUMED_RANKS} ranks, together the "
                              f"stream's next {per_step}, from window {first} on")
