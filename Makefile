@@ -63,7 +63,8 @@ test-long-job: setup
 	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m long_job
 
 # The ports past FSDP run for real (port/gpt_tp.py: a 2 x 2 grid stopped and resumed on one row, against one process
-# and 1-D FSDP2; port/gpt_zero.py against gpt_ddp.py): kept out of `make test`, which is at its time budget.
+# and 1-D FSDP2; port/gpt_zero.py against gpt_ddp.py; port/gpt_pp.py on 4 stages, then 2, against one process): kept
+# out of `make test`, which is at its time budget.
 test-past-fsdp: setup
 	$(BIN)/pytest -n $(JOBS) --no-loadscope-reorder -m past_fsdp
 

@@ -5,7 +5,8 @@ diffs/port_gpt_stream.diff: port/gpt_ddp.py against port/gpt_stream.py, its data
 diffs/port_gpt_timed.diff: port/gpt_ddp.py against port/gpt_timed.py, each rank's step split in computing, waiting and
 communicating, and profiler traces; and diffs/port_gpt_async.diff: port/gpt_fsdp.py against port/gpt_async.py, its
 snapshots written while training goes on; and diffs/port_gpt_tp.diff: port/gpt_fsdp.py against port/gpt_tp.py,
-tensor parallelism on a 2-D mesh; and diffs/port_gpt_zero.diff: port/gpt_ddp.py against port/gpt_zero.py, ZeRO-1.
+tensor parallelism on a 2-D mesh; and diffs/port_gpt_zero.diff: port/gpt_ddp.py against port/gpt_zero.py, ZeRO-1;
+and diffs/port_gpt_pp.diff: port/gpt_ddp.py against port/gpt_pp.py, pipeline stages.
 
     python tools/make_diffs.py            # regenerate diffs/
     python tools/make_diffs.py --check    # fail if diffs/ is stale or a step is over its budget (CI)
@@ -91,6 +92,14 @@ PAIRS = {
     # 25: the docstring (what ZeRO-1 splits and what it does not, the snapshot's collective), the import, the optimizer
     # and what each process keeps, the snapshot gathered on rank 0 by every process, each process's share logged
     ("port/gpt_ddp.py", "port/gpt_zero.py"): ("port_gpt_zero.diff", 25),
+    # 173: the docstring 11, the import 1, --schedule and --grad-accum's default 5, the refusals (too few blocks, 1F1B
+    # with too few micro-batches, fp16) 8, the forward of a stage 6, cutting the model 17, AdamW's state by name between
+    # a stage and the whole (snapshots stay gpt_ddp.py's files) 30, one forward through the stages by send and recv
+    # for validation and sampling 13 (replacing the gathered median), validation's two numbers from the last stage 6,
+    # sampling's byte from it 6, the stage, the schedule and the tied copies' group 13, one batch for all stages and
+    # the schedule's step 11, the tied copies' gradients summed and the norm over the stages 9, the loss, checks and
+    # checksum from the stages 14, the rest comments and one-line changes
+    ("port/gpt_ddp.py", "port/gpt_pp.py"): ("port_gpt_pp.diff", 173),
 }
 
 
