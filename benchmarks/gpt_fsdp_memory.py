@@ -1,7 +1,8 @@
-"""Memory per rank of the GPT port under DDP (port/gpt_ddp.py) and FSDP2 (port/gpt_fsdp.py): plain, with activation
-checkpointing, with the bf16 mixed-precision policy, with bf16 autocast instead, and HSDP, at 1, 2 and 4 processes,
-each beside the training state it must hold; with tokens/s against DDP's and the loss each ends with; and the peak
-while the model is built: gpt_ddp.py's whole model on every rank (eager) against gpt_fsdp.py's meta-device build.
+"""Memory per rank of the GPT port under DDP (port/gpt_ddp.py), ZeRO-1 (port/gpt_zero.py) and FSDP2 (port/gpt_fsdp.py):
+plain, with activation checkpointing, with the bf16 mixed-precision policy, with bf16 autocast instead, and HSDP, at
+1, 2 and 4 processes, each beside the training state it must hold; with tokens/s against DDP's and the loss each ends
+with; and the peak while the model is built: gpt_ddp.py's whole model on every rank (eager) against gpt_fsdp.py's
+meta-device build.
 
     .venv/bin/python benchmarks/gpt_fsdp_memory.py                      # about 15 minutes on 2 cores
     .venv/bin/python benchmarks/gpt_fsdp_memory.py --n-layer 2 --repeats 1   # a quick check
@@ -34,7 +35,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO, MB = HERE.parent, 2**20
 sys.path.insert(0, str(HERE))  # benchmarks/, also when this file is loaded as a module (tests/test_repository.py)
+sys.path.insert(0, str(REPO / "tools"))  # tools/sizing.py: the formulas, written once
 import _verdict  # noqa: E402
+import sizing  # noqa: E402
 
 # name: (script, its extra flags, process counts): what each configuration runs
 CONFIGS = {
@@ -44,6 +47,7 @@ CONFIGS = {
     "FSDP2, --param-dtype bf16": ("port/gpt_fsdp.py", ["--param-dtype", "bf16"], (2,)),
     "FSDP2, --amp (bf16 autocast)": ("port/gpt_fsdp.py", ["--amp"], (2,)),
     "HSDP, 2 copies": ("port/gpt_fsdp.py", ["--replicas", "2"], (4,)),
+    "ZeRO-1": ("port/gpt_zero.py", [], (1, 2, 4)),
 }
 BASELINE = ["--n-layer", "1", "--n-embd", "16", "--n-head", "1"]
 # Each worker's build, measured from inside (the module docstring): written to $BUILD_PEAK_DIR/RANK.json
@@ -140,16 +144,15 @@ def parameters(args):
 def predicted_state(name, nproc, args):
     """(Bytes a rank holds between steps; those plus every gradient and, under FSDP2, three whole units.)
     Between steps: fp32 weights and AdamW's two moments, 12 B a parameter, and DDP's gradient buckets, 4 B (DDP
-    keeps them; the gradients themselves are freed by zero_grad(set_to_none=True)); under FSDP2 the pieces of each
-    (1/N; under HSDP with 2 copies, 1/(N/2)). The second adds the gradients (4 B a parameter, or its pieces), and
+    keeps them; the gradients themselves are freed by zero_grad(set_to_none=True)); under ZeRO-1 (gpt_zero.py, DDP
+    with ZeroRedundancyOptimizer) the moments' 1/N share; under FSDP2 the pieces of each (1/N; under HSDP with 2
+    copies, 1/(N/2)). The second adds the gradients (4 B a parameter, or its pieces), and
     under FSDP2 three whole units (4 B x the largest unit each: the one computing, its gradients in backward, the
     next one gathered early). It is not the peak less the activations: the gradients are made in backward while
     the activations are freed, and at the end of forward, when every activation is held, no gradient exists yet."""
     total, largest = parameters(args)
-    if name == "DDP":
-        return 16 * total, 20 * total
-    shards = nproc // 2 if name.startswith("HSDP") else nproc
-    return 12 * total / shards, 16 * total / shards + 3 * 4 * largest
+    kind = {"DDP": "ddp", "ZeRO-1": "zero"}.get(name, "fsdp")  # ZeRO-1: whole parameters dealt out: 1/N about
+    return sizing.state_bytes(kind, total, largest, nproc // 2 if name.startswith("HSDP") else nproc)
 
 
 def predicted_build(name, nproc, rank, args):
@@ -204,7 +207,7 @@ def spread(values, digits=1):
 def table(raw):
     args = argparse.Namespace(**raw["args"])
     total, largest = parameters(args)
-    lines = ["# The GPT port's memory per rank: DDP, FSDP2, activation checkpointing, mixed precision, HSDP\n",
+    lines = ["# The GPT port's memory per rank: DDP, ZeRO-1, FSDP2, activation checkpointing, mixed precision, HSDP\n",
              f"Measured {raw['date']} by benchmarks/gpt_fsdp_memory.py: torch {raw['torch']}, {raw['cpus']} CPU cores, "
              f"gloo, 1 thread per process; a GPT of {args.n_layer} blocks of width {args.n_embd} ({total / 1e6:.1f} M "
              f"parameters, largest unit {largest / 1e6:.2f} M), {args.batch_size} windows of 64 bytes per process, "
@@ -304,8 +307,8 @@ def main():
     raw = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpus": os.cpu_count(), "args": vars(args),
            "repeats": args.repeats, "activations": activations(args), "runs": []}
     plan = [(name, script, extra, nproc) for name, (script, extra, counts) in CONFIGS.items() for nproc in counts]
-    plan += [(f"baseline {script}", script, [], nproc) for script in ("port/gpt_ddp.py", "port/gpt_fsdp.py")
-             for nproc in (1, 2, 4)]
+    plan += [(f"baseline {script}", script, [], nproc) for script in ("port/gpt_ddp.py", "port/gpt_fsdp.py",
+                                                                       "port/gpt_zero.py") for nproc in (1, 2, 4)]
     for repeat in range(args.repeats):
         for name, script, extra, nproc in plan if repeat % 2 == 0 else reversed(plan):
             began = time.monotonic()

@@ -97,8 +97,9 @@ def parse_args(argv=None):
     if args.schedule == "1f1b" and stages > args.grad_accum:  # pp: torch's Schedule1F1B raises a ValueError
         parser.error(f"--schedule 1f1b needs --grad-accum {args.grad_accum} to be at least the {stages} stages; "
                      "gpipe runs fewer")
-    if args.amp == "fp16":  # pp: the schedule calls backward itself, on the unscaled loss: no GradScaler
-        parser.error("--amp fp16: the pipeline's schedule runs backward without a GradScaler; use --amp (bf16)")
+    if args.amp == "fp16":  # pp: the schedule calls backward itself, on the loss its loss_fn returns: not built here
+        parser.error("--amp fp16: not built here (the schedule calls backward itself, on a loss no GradScaler has "
+                     "scaled); use --amp (bf16)")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
@@ -204,7 +205,8 @@ def cut(model, stage, stages):
     """pp: the parts of the model that stage (of stages) runs: its blocks, the embeddings on the first stage, the final
     norm and the head on the last. The other blocks become nn.Identity, so a block keeps its name (blocks.2 on any
     stage, in any snapshot); the last stage keeps the token embedding, unused, for the tied matrix to keep its name
-    (token.weight) there. The rest is freed: each process holds its stage's weights only."""
+    (token.weight) there. The rest is freed: each process then holds its stage's weights only (main builds the whole
+    model first, as gpt_ddp.py does: fine at this size; a large model would be built on the meta device)."""
     first, end = stage * len(model.blocks) // stages, (stage + 1) * len(model.blocks) // stages  # pp
     for index in range(len(model.blocks)):  # pp
         if not first <= index < end:  # pp
@@ -246,10 +248,10 @@ def whole_state(model, optimizer, whole_groups):
     if dist.get_rank() != 0:  # pp
         return None, None  # pp
     number = {name: i for i, name in enumerate(sum(whole_groups, []))}  # pp
-    moments = {number[name]: value for _, part in parts for name, value in part.items()}  # pp
     groups = [{**group, "params": [number[name] for name in names]}
               for group, names in zip(state["param_groups"], whole_groups, strict=True)]  # pp
-    # pp: stage 0's entries last, so that they win: its token.weight, the last stage's head.weight (the two copies)
+    # pp: stage 0's entries last, so that they win: its token.weight (and moments), the last stage's head.weight
+    moments = {number[name]: value for _, part in reversed(parts) for name, value in part.items()}  # pp
     return {name: value for part, _ in reversed(parts) for name, value in part.items()}, {
         "state": dict(sorted(moments.items())), "param_groups": groups}  # pp
 
@@ -467,6 +469,7 @@ def main(args):
             scaler.load_state_dict(snapshot["scaler"])  # its scale and the count of good steps since it last grew
         start_step, position = snapshot["step"], snapshot["position"]  # where in the data
         log(f"resumed from {args.checkpoint}: step {start_step} of {args.steps}")
+    snapshot = None  # pp: the whole snapshot freed: each stage keeps its own part
     # no RNG state to save: dropout draws from a seed made of --seed and the position in the data (and the rank)
     stop_requested = threading.Event()  # step 04: Slurm sends SIGTERM (or USR1) before it kills a job
     for signum in (signal.SIGTERM, signal.SIGUSR1):  # step 04
@@ -479,10 +482,12 @@ def main(args):
                 "data_sha256": digest, "args": vars(args), "world_size": 1}  # pp: one process's batch
 
     global_batch = args.batch_size * args.grad_accum  # pp: the stages share one batch: it does not grow with them
+    blocks = "/".join(str((s + 1) * args.n_layer // world_size - s * args.n_layer // world_size)
+                      for s in range(world_size))  # pp: each stage's, as cut() splits them
     log(f"GPT of {parameters / 1e6:.2f}M parameters on {device}: "  # pp
         f"{len(train_tokens)} training / {len(val_tokens)} validation bytes, {global_batch} windows of "
         f"{args.block_size} bytes per optimizer step, warm-up {args.warmup_steps} steps; {world_size} stages of "
-        f"{args.n_layer / world_size:g} blocks, {args.schedule}, {args.grad_accum} micro-batches")  # pp
+        f"{blocks} blocks, {args.schedule}, {args.grad_accum} micro-batches")  # pp
     timer, norms = time.perf_counter(), []  # norms: this run's pre-clip gradient norms, step by step
     for step in range(start_step, args.steps):
         # pp: every stage reads the step's windows, one process's batch (the first stage needs the bytes, the last
@@ -494,7 +499,7 @@ def main(args):
         losses = []  # pp: the last stage's loss of each micro-batch
         with autocast(device, args.amp):  # pp: around forwards and backwards (the schedule runs both)
             schedule.step(*([inputs] if rank == 0 else []), target=targets if rank == world_size - 1 else None,
-                          losses=losses)  # pp
+                          losses=losses, return_outputs=False)  # pp: else the last stage keeps all the logits
         step_loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)  # pp
         if os.environ.get("NAN_LOSS_AT") == f"{rank}:{step + 1}":  # port lesson: the tests make one rank's loss NaN
             step_loss += float("nan")

@@ -118,6 +118,33 @@ def test_the_hsdp_bytes_report_is_what_its_raw_figures_give_and_each_count_is_it
     assert "benchmarks/gpt_hsdp_bytes.md" in (REPO / "docs/fsdp.md").read_text()
 
 
+def test_the_past_fsdp_bytes_report_is_what_its_raw_figures_give_and_each_count_is_its_prediction():
+    """benchmarks/parallel_bytes.md is made from its json only; in every predicted row (tensor parallelism's
+    all-reduces of activations, FSDP2's gathers and reduce-scatters across the rows, the pipeline's sends and tied
+    gradient, ZeRO-1's all-reduce and broadcast) the bytes counted per step are the prediction, less the calls of a
+    few numbers each (under 4 kB), the same on every rank, and docs/past-fsdp.md and docs/sizing.md link the
+    report."""
+    benchmark = load_script("benchmarks/parallel_bytes.py")
+    raw = json.loads((REPO / "benchmarks/parallel_bytes.json").read_text())
+    assert (REPO / "benchmarks/parallel_bytes.md").read_text() == benchmark.table(raw)
+    rows = [line.split(" | ") for line in benchmark.table(raw).splitlines() if line.startswith("| ") and ".py" in line]
+    assert len(rows) == 7
+    for row in rows:
+        predicted, counted, small = (int(cell.strip(" |").replace(",", "")) for cell in row[-4:-1])
+        assert counted - small <= predicted <= counted, row  # ZeRO-1's broadcast: the small parameters predicted too
+        assert row[-1] == "yes |", row  # every rank's group of that shape handed the same bytes
+    for page in ("docs/past-fsdp.md", "docs/sizing.md"):
+        assert "benchmarks/parallel_bytes.md" in (REPO / page).read_text(), page
+
+
+def test_the_bubble_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
+    benchmark = load_script("benchmarks/pipeline_bubble.py")
+    report = benchmark.summarize(json.loads((REPO / "benchmarks/pipeline_bubble.json").read_text()))
+    assert (REPO / "benchmarks/pipeline_bubble.md").read_text() == report
+    table = report[report.index("| micro-batches m"):].rstrip("\n")
+    assert table in (REPO / "docs/past-fsdp.md").read_text(), "docs/past-fsdp.md: paste the bubble table"
+
+
 def test_the_fsdp_report_is_what_its_raw_figures_give_and_the_docs_quote_it():
     """benchmarks/fsdp_memory.md is made from its json only; docs/fsdp.md and the README quote its figures."""
     benchmark = load_script("benchmarks/fsdp_memory.py")
