@@ -92,15 +92,16 @@ PAIRS = {
     # 25: the docstring (what ZeRO-1 splits and what it does not, the snapshot's collective), the import, the optimizer
     # and what each process keeps, the snapshot gathered on rank 0 by every process, each process's share logged
     ("port/gpt_ddp.py", "port/gpt_zero.py"): ("port_gpt_zero.diff", 25),
-    # 178, after an expert read: the whole snapshot freed 1, all the logits not kept 1, the blocks per stage logged 2,
-    # the fp16 refusal said as a choice 1. 173: the docstring 11, the import 1, --schedule and --grad-accum's default
-    # 5, the refusals (too few blocks, 1F1B with too few micro-batches, fp16) 8, the forward of a stage 6, cutting the
-    # model 17, AdamW's state by name between a stage and the whole (snapshots stay gpt_ddp.py's files) 30, one
-    # forward through the stages by send and recv for validation and sampling 13 (replacing the gathered median),
-    # validation's two numbers from the last stage 6, sampling's byte from it 6, the stage, the schedule and the tied
-    # copies' group 13, one batch for all stages and the schedule's step 11, the tied copies' gradients summed and
-    # the norm over the stages 9, the loss, checks and checksum from the stages 14, the rest comments and one-liners
-    ("port/gpt_ddp.py", "port/gpt_pp.py"): ("port_gpt_pp.diff", 178),
+    # 179: the tied copies' group given --timeout 1. 178, after an expert read: the whole snapshot freed 1, all the
+    # logits not kept 1, the blocks per stage logged 2, the fp16 refusal said as a choice 1. 173: the docstring 11, the
+    # import 1, --schedule and --grad-accum's default 5, the refusals (too few blocks, 1F1B with too few micro-batches,
+    # fp16) 8, the forward of a stage 6, cutting the model 17, AdamW's state by name between a stage and the whole
+    # (snapshots stay gpt_ddp.py's files) 30, one forward through the stages by send and recv for validation and
+    # sampling 13 (replacing the gathered median), validation's two numbers from the last stage 6, sampling's byte from
+    # it 6, the stage, the schedule and the tied copies' group 13, one batch for all stages and the schedule's step 11,
+    # the tied copies' gradients summed and the norm over the stages 9, the loss, checks and checksum from the stages
+    # 14, the rest comments and one-liners
+    ("port/gpt_ddp.py", "port/gpt_pp.py"): ("port_gpt_pp.diff", 179),
 }
 
 
