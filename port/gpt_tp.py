@@ -490,6 +490,8 @@ def main(args):
     # tp: a grid of world_size/tp rows and tp columns: processes r*tp .. r*tp+tp-1 form row r, which splits each
     # matrix and reads the same windows; FSDP2 shards across the rows ("data"), as across processes in gpt_fsdp.py
     grid = init_device_mesh(device.type, (world_size // args.tp, args.tp), mesh_dim_names=("data", "tensor"))  # tp
+    for dimension in ("data", "tensor"):  # tp: init_device_mesh gives its groups torch's default (30 minutes for
+        dist.set_timeout(timedelta(seconds=args.timeout), grid.get_group(dimension))  # tp: gloo), not --timeout
     row, rows = grid["data"].get_local_rank(), world_size // args.tp  # tp: which row, how many
     mesh = init_device_mesh(device.type, (args.replicas, world_size // args.replicas),
                             mesh_dim_names=("replicate", "shard")) if args.replicas > 1 else grid["data"]  # tp

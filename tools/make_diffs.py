@@ -88,7 +88,7 @@ PAIRS = {
     # global batch counted in rows on a resume 5, the grid and the plan (blocks by heads, the tied matrix by
     # vocabulary, tied again) 20, rows in the data, padding and dropout seeds 8, the loss on split logits 6, the norm
     # over two meshes 10
-    ("port/gpt_fsdp.py", "port/gpt_tp.py"): ("port_gpt_tp.diff", 116),
+    ("port/gpt_fsdp.py", "port/gpt_tp.py"): ("port_gpt_tp.diff", 118),
     # 25: the docstring (what ZeRO-1 splits and what it does not, the snapshot's collective), the import, the optimizer
     # and what each process keeps, the snapshot gathered on rank 0 by every process, each process's share logged
     ("port/gpt_ddp.py", "port/gpt_zero.py"): ("port_gpt_zero.diff", 25),

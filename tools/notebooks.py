@@ -34,7 +34,8 @@ PARTS = {
     "The ladder": ["00_single_gpu", "01_mp_spawn", "02_torchrun", "03_multinode", "04_fault_tolerant",
                    "preemption_and_elastic", "05_fsdp"],
     "Inside DDP": ["ddp_under_the_hood", "making_ddp_fast", "build_ddp_yourself"],
-    "Your own model, and when it breaks": ["when_it_breaks", "port_your_model", "shard_your_model", "long_job"],
+    "Your own model, and when it breaks": ["when_it_breaks", "port_your_model", "shard_your_model", "long_job",
+                                           "past_fsdp"],
 }
 
 
