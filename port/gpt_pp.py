@@ -450,7 +450,7 @@ def main(args):
     # pp: the tied matrix has a copy on stage 0 (the embedding) and on the last stage (the head), each of which gets
     # its part of the gradient; summing the two parts on both gives each the one-process gradient, so both copies
     # take the same step and stay equal. A group of the two (every process must create it), with --timeout: a new
-    # group's default is torch's 30 minutes (default_pg_timeout), not the one init_process_group was given
+    # group's default is torch's (30 minutes for gloo, 10 for NCCL), not the one init_process_group was given
     ends = dist.new_group([0, world_size - 1], timeout=timedelta(seconds=args.timeout)) if world_size > 1 else None
     # weight decay on the weight matrices only, not on biases, LayerNorm gains and the position table's rows
     matrices = [p for name, p in raw_model.named_parameters() if p.dim() == 2 and "position" not in name]

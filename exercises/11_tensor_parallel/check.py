@@ -20,9 +20,10 @@ CLAIMS = ["the 2-process run finishes",
           "step 1's loss (the forward alone) equals one process's with the whole MLP (1e-5 relative)",
           "every step's loss, and the input and output layers after the last step, equal one process's (1e-5) on "
           "both processes"]
-SEE_IDEAS = "notebooks/past_fsdp.ipynb, section '1. The ideas' (tensor parallelism: a column split, then a row split)"
-SEE_MISTAKES = ("notebooks/past_fsdp.ipynb, section '6. Exercises' (the split MLP's two sums, forward and backward) "
-                "and section '3. The diffs, hunk by hunk' (gpt_tp.py's parallelize_module plan)")
+SEE_IDEAS = ("notebooks/past_fsdp.ipynb, section '1. The ideas', part 'Tensor parallelism: each matrix split across a "
+             "group' (its picture)")
+SEE_MISTAKES = ("notebooks/past_fsdp.ipynb, section '1. The ideas', part 'Tensor parallelism: each matrix split across "
+                "a group': the picture (forward) and the paragraph 'Backward runs the other way'")
 
 
 def one_process(learner):

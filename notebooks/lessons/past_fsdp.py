@@ -90,8 +90,11 @@ def gather_alone(rank, world_size):
     model = parallelize_module(mlp(), grid["tensor"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=grid["data"])
     weight = model[0].weight
+    whole_rows = mlp()[0].weight.detach()
+    first = next(row for row in range(len(whole_rows)) if torch.equal(whole_rows[row], weight.to_local()[0].detach()))
     result = {"placements": str(weight.placements), "whole shape": tuple(weight.shape),
-              "this rank's piece": tuple(weight.to_local().shape)}
+              "this rank's piece": tuple(weight.to_local().shape),
+              "rows of the whole": f"{first}-{first + weight.to_local().shape[0] - 1}"}
     result["every rank calls full_tensor()"] = torch.equal(weight.full_tensor(), mlp()[0].weight.detach())
     began = time.monotonic()
     if rank == 0:
@@ -144,9 +147,12 @@ def schedule_orders(stages, micro_batches):
     ScheduleGPipe runs every micro-batch's forward, then every backward; Schedule1F1B runs min(micro_batches,
     stages - stage) forwards ("Last stage has 1 warmup, second-to-last 2 warmups, ..."), then one backward and one
     forward in turn while forwards remain, then the remaining backwards. {"gpipe": {stage: ["F0", ..., "B0", ...]},
-    "1f1b": ...}."""
+    "1f1b": ...}; no "1f1b" with fewer micro-batches than stages, which Schedule1F1B refuses when it is built."""
     forwards, backwards = ([f"{kind}{m}" for m in range(micro_batches)] for kind in "FB")
-    orders = {"gpipe": dict.fromkeys(range(stages), forwards + backwards), "1f1b": {}}
+    orders = {"gpipe": dict.fromkeys(range(stages), forwards + backwards)}
+    if micro_batches < stages:
+        return orders
+    orders["1f1b"] = {}
     for stage in range(stages):
         warmup = min(micro_batches, stages - stage)
         steady = [action for pair in zip(backwards, forwards[warmup:], strict=False) for action in pair]
