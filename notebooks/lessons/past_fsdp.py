@@ -18,9 +18,9 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 WIDTH, VOCABULARY = 32, 256
-# torch warns, on every rank, each time a parameter split two ways (or a norm over two mesh dimensions) is made whole:
-# two collectives in turn, one per dimension. Said once in the lecture, silenced here (in every process that imports
-# this module: the lecture's workers do)
+# torch warns, once in each process, the first time a parameter split two ways (or a norm over two mesh dimensions)
+# is made whole: two collectives in turn, one per dimension. Said once in the lecture, silenced here (in every
+# process that imports this module: the lecture's workers do)
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 TIMEOUT = timedelta(seconds=3)  # every group's collective timeout in the lecture's runs: a mistake waits this long
 
